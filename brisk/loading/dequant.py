@@ -1,0 +1,150 @@
+"""Vectorized numpy dequantizers for the GGML block formats brisk reads from GGUF.
+
+Each function takes the raw bytes of a tensor as a uint8 array whose size is a
+multiple of the block size and returns float32 values in storage order. Layouts
+follow ggml's block structs (`ggml-common.h`); results are checked against the
+`gguf` package's own dequantizer in the tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK = 32  # elements per block of the legacy formats
+QK_K = 256  # elements per super-block of the k-quants
+
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size % block_bytes:
+        raise ValueError(f"{raw.size} bytes is not a whole number of {block_bytes}-byte blocks")
+    return raw.reshape(-1, block_bytes)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """Column [n_blocks, 1] of the float16 stored at byte `start` of each block, as float32."""
+    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] packed bytes -> [n, 32] values: low nibbles first, then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes holding 32 bits (little-endian) -> [n, 32] bits, bit j for element j."""
+    return np.unpackbits(qh, axis=1, bitorder="little")
+
+
+def dequant_q8_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + QK)
+    return (_f16(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+
+
+def dequant_q4_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + QK // 2)
+    q = _nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+    return (_f16(b, 0) * q.astype(np.float32)).reshape(-1)
+
+
+def dequant_q4_1(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 4 + QK // 2)
+    q = _nibbles(b[:, 4:]).astype(np.float32)
+    return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+
+
+def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    return _nibbles(qs) | (_high_bits(qh) << 4)
+
+
+def dequant_q5_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + 4 + QK // 2)
+    q = _q5_values(b[:, 2:6], b[:, 6:]).astype(np.int8) - np.int8(16)
+    return (_f16(b, 0) * q.astype(np.float32)).reshape(-1)
+
+
+def dequant_q5_1(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 4 + 4 + QK // 2)
+    q = _q5_values(b[:, 4:8], b[:, 8:]).astype(np.float32)
+    return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack the 12-byte 6-bit scales/mins of Q4_K/Q5_K -> two [n, 8] arrays."""
+    lo, mid, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_quant_apply(b: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """q: [n, 8, 32] integer values of the 8 sub-blocks -> dequantized [n * 256]."""
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    scale = (d * sc)[:, :, None]
+    offset = (dmin * mn)[:, :, None]
+    return (scale * q.astype(np.float32) - offset).reshape(-1)
+
+
+def _split_nibbles_64(qs: np.ndarray) -> np.ndarray:
+    """[n, 128] bytes -> [n, 8, 32]: each 32-byte chunk gives a low-nibble then a high-nibble sub-block."""
+    chunks = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def dequant_q4_k(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + 2 + 12 + QK_K // 2)
+    return _k_quant_apply(b, _split_nibbles_64(b[:, 16:]))
+
+
+def dequant_q5_k(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + 2 + 12 + QK_K // 8 + QK_K // 2)
+    qh, qs = b[:, 16:48], b[:, 48:]
+    low = _split_nibbles_64(qs)  # [n, 8, 32]
+    bit_index = np.arange(8, dtype=np.uint8)[None, :, None]  # sub-block i uses bit i of qh
+    high = (qh[:, None, :] >> bit_index) & 1  # [n, 8, 32]
+    return _k_quant_apply(b, low | (high << 4))
+
+
+def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2)
+    ql = b[:, :128].reshape(-1, 2, 2, 32)  # [n, half, (l, l+32), 32]
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, 1, 32]
+    scales = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 2, 8)
+    d = _f16(b, 208).reshape(-1, 1, 1, 1, 1)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [n, half, 4, 32] for q1, q2, q3, q4
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    high = (qh >> shifts) & 3  # [n, half, 4, 32]
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)  # [n, half, 4, 32]
+    # Element l of quarter j uses scale index j * 2 + l // 16.
+    q = q.reshape(-1, 2, 4, 2, 16).astype(np.float32)
+    scale = d * scales.reshape(-1, 2, 4, 2, 1)
+    return (scale * q).reshape(-1)
+
+
+def dequant_f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).reshape(-1).view(np.float16).astype(np.float32)
+
+
+def dequant_bf16(raw: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(raw).reshape(-1).view(np.uint16).astype(np.uint32) << 16
+    return bits.view(np.float32)
+
+
+def dequant_f32(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).reshape(-1).view(np.float32)
+
+
+DEQUANTIZERS = {
+    "F32": dequant_f32,
+    "F16": dequant_f16,
+    "BF16": dequant_bf16,
+    "Q8_0": dequant_q8_0,
+    "Q4_0": dequant_q4_0,
+    "Q4_1": dequant_q4_1,
+    "Q5_0": dequant_q5_0,
+    "Q5_1": dequant_q5_1,
+    "Q4_K": dequant_q4_k,
+    "Q5_K": dequant_q5_k,
+    "Q6_K": dequant_q6_k,
+}

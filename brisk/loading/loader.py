@@ -1,0 +1,211 @@
+"""Get a model ready to run: resolve the source, convert a GGUF once, memory-map the
+weights into a module built on the `meta` device, load the tokenizer, and run a
+first forward — timing each phase in a `LoadReport`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from brisk.config import ModelConfig
+from brisk.errors import BriskError, ModelLoadError
+from brisk.loading import gguf_convert, safetensors_io
+from brisk.loading.cache_dir import cache_dir
+from brisk.loading.report import LoadReport
+from brisk.models.llama import LlamaForCausalLM
+from brisk.models.registry import resolve
+from brisk.models.simple_cache import SingleSequenceCache
+from brisk.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+    model_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    report: LoadReport
+    name: str
+    # Memory maps backing the zero-copy weights; they must outlive the model.
+    mapped_files: list[Any] = field(default_factory=list, repr=False)
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BriskError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BriskError(f"--device {device} requested but no CUDA device is available; use --device cpu")
+    return dev
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise BriskError(f"--dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: malformed JSON ({e}); re-download it") from None
+
+
+def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    gen_path = model_dir / "generation_config.json"
+    ids = list(cfg.eos_token_ids)
+    if gen_path.is_file():
+        eos = _read_json(gen_path).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return tuple(dict.fromkeys(ids))
+
+
+def _fuse(tensors: dict[str, torch.Tensor], fused: str, parts: list[str]) -> None:
+    """Replace `parts` by their concatenation (the one deliberate copy of an HF-layout load)."""
+    if fused in tensors or not all(p in tensors for p in parts):
+        return
+    tensors[fused] = torch.cat([tensors.pop(p) for p in parts], dim=0)
+
+
+def model_state(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors renamed and fused into this model's parameter names."""
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(shard)
+    for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
+        del tensors[name]
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            _fuse(tensors, f"{attn}qkv_proj.{kind}", [f"{attn}{p}_proj.{kind}" for p in "qkv"])
+        _fuse(tensors, f"{mlp}gate_up_proj.weight", [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"])
+    return tensors
+
+
+def _expected_names(model: LlamaForCausalLM) -> set[str]:
+    names = set(model.state_dict().keys())
+    if model.config.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    return names
+
+
+def _place(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+           prefetcher: safetensors_io.ShardPrefetcher) -> dict[str, torch.Tensor]:
+    """Cast/move weights. On CPU with a matching dtype this is free (views stay on the mmap)."""
+    if device.type == "cuda":
+        prefetcher.wait_all()
+        return _to_cuda(tensors, device, dtype)
+    return {n: t if t.dtype == dtype else t.to(dtype) for n, t in tensors.items()}
+
+
+def _to_cuda(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Host -> GPU through two pinned staging buffers and non-blocking copies on a side stream,
+    so the CPU fills one buffer while the GPU drains the other."""
+    max_bytes = max(t.numel() * dtype.itemsize for t in tensors.values())
+    staging = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    ready = [None, None]
+    stream = torch.cuda.Stream(device=device)
+    out: dict[str, torch.Tensor] = {}
+    for i, (name, t) in enumerate(tensors.items()):
+        slot = i % 2
+        if ready[slot] is not None:
+            ready[slot].synchronize()  # the previous copy out of this buffer has finished
+        nbytes = t.numel() * dtype.itemsize
+        pinned = staging[slot][:nbytes].view(dtype).view(t.shape)
+        pinned.copy_(t)
+        with torch.cuda.stream(stream):
+            out[name] = pinned.to(device, non_blocking=True)
+            ready[slot] = torch.cuda.Event()
+            ready[slot].record(stream)
+    stream.synchronize()
+    return out
+
+
+def _warmup(model: LlamaForCausalLM, cfg: ModelConfig, device, dtype) -> None:
+    cache = SingleSequenceCache(cfg, max_len=8, dtype=dtype, device=device)
+    ids = torch.zeros(8, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        cache.begin(8)
+        model.compute_logits(model(ids, torch.arange(8, device=device), cache)[-1:])
+
+
+def load(model: str | None = None, *, device: str | None = None, dtype: str | None = None,
+         max_model_len: int | None = None, warmup: bool = True,
+         report: LoadReport | None = None) -> LoadedModel:
+    report = report or LoadReport()
+    with report.phase("resolve"):
+        source = resolve(model)
+        cache_root = cache_dir()
+        dev = pick_device(device)
+        torch_dtype = pick_dtype(dtype, dev)
+    report.source, report.path = source.name, str(source.path)
+    report.device, report.dtype = str(dev), str(torch_dtype).removeprefix("torch.")
+    model_dir = source.path
+    if source.kind == "gguf":
+        report.format = "gguf"
+        model_dir = gguf_convert.converted_dir(cache_root, source.path)
+        if (model_dir / "config.json").exists():
+            report.conversion_cache = "hit"
+        else:
+            report.conversion_cache = "miss"
+            for name, ms in gguf_convert.convert(source.path, model_dir).items():
+                report.add(name, ms)
+    else:
+        report.format = "safetensors"
+
+    with report.phase("config"):
+        cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))
+        max_len = max_model_len or cfg.max_position_embeddings
+        if max_len <= 0:
+            raise BriskError(f"--max-model-len {max_len} must be positive")
+    with report.phase("open_mmap"):
+        shards, maps, prefetcher = safetensors_io.load_checkpoint(model_dir)
+        report.weight_bytes = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    with report.phase("module_build"):
+        with torch.device("meta"):
+            net = LlamaForCausalLM(cfg)
+        tensors = model_state(shards, cfg)
+        missing = sorted(_expected_names(net) - tensors.keys())
+        if missing:
+            raise ModelLoadError(
+                f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}; "
+                "it does not match config.json"
+            )
+        extra = sorted(tensors.keys() - _expected_names(net))
+        if extra:
+            raise ModelLoadError(f"{model_dir}: checkpoint has unexpected tensor(s), e.g. {extra[0]}")
+        try:
+            net.load_weights(_place(tensors, dev, torch_dtype, prefetcher), max_positions=max_len, device=dev)
+        except RuntimeError as e:  # shape mismatches between checkpoint and config.json
+            first = str(e).strip().splitlines()[-1].strip()
+            raise ModelLoadError(f"{model_dir}: weights do not match config.json ({first})") from None
+        net.eval()
+    with report.phase("tokenizer"):
+        tokenizer = Tokenizer.from_dir(model_dir, _eos_ids(model_dir, cfg))
+    if warmup:
+        with report.phase("first_forward"):
+            _warmup(net, cfg, dev, torch_dtype)
+    return LoadedModel(net, tokenizer, cfg, model_dir, dev, torch_dtype, max_len, report, source.name, maps)

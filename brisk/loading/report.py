@@ -1,0 +1,53 @@
+"""Load-time report: how long each phase of getting a model ready took."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadReport:
+    """Phases in the order they ran, in milliseconds, plus facts about the load."""
+
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    source: str = ""
+    path: str = ""
+    format: str = ""  # "safetensors" | "gguf"
+    conversion_cache: str = ""  # "hit" | "miss" | "" (not a GGUF)
+    weight_bytes: int = 0
+    device: str = ""
+    dtype: str = ""
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases_ms[name] = self.phases_ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+
+    def add(self, name: str, ms: float) -> None:
+        self.phases_ms[name] = self.phases_ms.get(name, 0.0) + ms
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.phases_ms.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source, "path": self.path, "format": self.format,
+            "conversion_cache": self.conversion_cache, "weight_bytes": self.weight_bytes,
+            "device": self.device, "dtype": self.dtype,
+            "phases_ms": {k: round(v, 2) for k, v in self.phases_ms.items()},
+            "total_ms": round(self.total_ms, 2),
+        }
+
+    def lines(self) -> list[str]:
+        out = [f"loaded {self.source} ({self.format}, {self.weight_bytes / 1e6:.0f} MB, "
+               f"{self.dtype} on {self.device}"
+               + (f", conversion cache {self.conversion_cache}" if self.conversion_cache else "") + ")"]
+        out += [f"  {name:<20} {ms:9.1f} ms" for name, ms in self.phases_ms.items()]
+        out.append(f"  {'total':<20} {self.total_ms:9.1f} ms")
+        return out

@@ -1,0 +1,167 @@
+"""Zero-copy safetensors reading: each tensor is a view into a memory map of the file.
+
+The header is parsed and checked here (sizes, offsets, dtypes) so that a truncated
+or corrupt file fails at open with one clear message instead of a crash later.
+Sharded checkpoints (`model.safetensors.index.json`) are opened shard by shard
+while a background thread pulls the next shard's pages into the page cache.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import threading
+from pathlib import Path
+
+import torch
+
+from brisk.errors import ModelLoadError
+
+DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+_PAGE = 4096
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """Parse and validate the header. Returns (tensor entries, byte offset of the data)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes); re-download it")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            raise ModelLoadError(
+                f"{path}: corrupt or truncated safetensors header (claims {header_len} bytes, "
+                f"file has {size}); re-download it"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{path}: corrupt safetensors header ({e}); re-download it") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object); re-download it")
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    for name, info in header.items():
+        _check_entry(path, name, info, size - data_start)
+    return header, data_start
+
+
+def _check_entry(path: Path, name: str, info: dict, data_bytes: int) -> None:
+    try:
+        dtype = DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        numel = 1
+        for dim in info["shape"]:
+            numel *= int(dim)
+    except (KeyError, TypeError, ValueError):
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} has an unsupported or malformed header entry {info!r}"
+        ) from None
+    expected = numel * dtype.itemsize
+    if end - begin != expected or end > data_bytes or begin < 0:
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} lies outside the file or has the wrong size "
+            f"(bytes {begin}..{end} of {data_bytes}); the file is truncated or corrupt — re-download it"
+        )
+
+
+class MappedFile:
+    """A private (copy-on-write) memory map; tensors made from it share its pages."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset).view(shape)
+
+    def prefetch(self) -> None:
+        """Bring the file into the page cache (runs in a background thread)."""
+        if hasattr(mmap, "MADV_WILLNEED"):
+            self.mm.madvise(mmap.MADV_WILLNEED)
+        view = memoryview(self.mm)
+        total = 0
+        for offset in range(0, len(self.mm), _PAGE * 16):
+            total += view[offset]
+        view.release()
+
+
+def load_file(path: Path) -> tuple[dict[str, torch.Tensor], MappedFile]:
+    """All tensors of one safetensors file as zero-copy views, plus the map keeping them alive."""
+    header, data_start = read_header(path)
+    mapped = MappedFile(path)
+    tensors = {
+        name: mapped.tensor(data_start + info["data_offsets"][0], DTYPES[info["dtype"]], info["shape"])
+        for name, info in header.items()
+    }
+    return tensors, mapped
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory, in shard order."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: malformed shard index ({e}); re-download it") from None
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors files; brisk needs safetensors weights")
+    for file in files:
+        if not file.exists():
+            raise ModelLoadError(f"{file}: shard listed in the index is missing; re-download the model")
+    return files
+
+
+class ShardPrefetcher:
+    """Reads shards into the page cache in order on a background thread.
+
+    `wait(i)` blocks until shard i is resident, so a consumer that processes shard i
+    (copies it to a GPU, or runs the first forward over it) overlaps with the read
+    of shard i + 1.
+    """
+
+    def __init__(self, maps: list[MappedFile]):
+        self._done = [threading.Event() for _ in maps]
+        self._thread = threading.Thread(target=self._run, args=(maps,), daemon=True)
+        self._thread.start()
+
+    def _run(self, maps: list[MappedFile]) -> None:
+        for mapped, done in zip(maps, self._done):
+            try:
+                mapped.prefetch()
+            finally:
+                done.set()
+
+    def wait(self, index: int) -> None:
+        self._done[index].wait()
+
+    def wait_all(self) -> None:
+        self._thread.join()
+
+
+def load_checkpoint(model_dir: Path) -> tuple[list[dict[str, torch.Tensor]], list[MappedFile], ShardPrefetcher]:
+    """Map every shard (zero-copy views, one dict per shard) and start prefetching them in order."""
+    shards, maps = [], []
+    for file in checkpoint_files(model_dir):
+        tensors, mapped = load_file(file)
+        shards.append(tensors)
+        maps.append(mapped)
+    return shards, maps, ShardPrefetcher(maps)

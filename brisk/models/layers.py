@@ -1,0 +1,134 @@
+"""Building blocks of a Llama-family decoder: RMSNorm and rotary embeddings.
+
+RoPE frequencies follow Hugging Face's definitions for every scaling type found in
+HF configs (`default`, `linear`, `dynamic`, `llama3`, `yarn`), computed in float32
+the same way so that logits agree with the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from brisk.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    return int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+
+
+def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (theta ** exponents)
+
+
+def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim // 2] and the cos/sin scaling factor.
+
+    `seq_len` matters only for `dynamic` (NTK) scaling, whose base grows with the
+    longest sequence served; brisk passes `max_model_len` so that every cached K
+    was rotated with the same frequencies (HF recomputes them per forward instead).
+    """
+    rope: RopeConfig = cfg.rope
+    dim = rotary_dim(cfg)
+    if rope.rope_type == "default":
+        return _base_inv_freq(rope.theta, dim), 1.0
+    if rope.rope_type == "linear":
+        return _base_inv_freq(rope.theta, dim) / rope.factor, 1.0
+    if rope.rope_type == "dynamic":
+        max_pos = cfg.max_position_embeddings
+        seq_len = max(seq_len or max_pos, max_pos)
+        base = rope.theta * ((rope.factor * seq_len / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
+        return _base_inv_freq(base, dim), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(rope, dim), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, dim)
+    raise ValueError(f"unknown rope_type {rope.rope_type!r}")  # ModelConfig validated it
+
+
+def _llama3_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    inv_freq = _base_inv_freq(rope.theta, dim)
+    old_len = rope.get("original_max_position_embeddings")
+    low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    factor, base = rope.factor, rope.theta
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = rope.get("beta_fast") or 32
+    beta_slow = rope.get("beta_slow") or 1
+    orig_len = rope.get("original_max_position_embeddings")
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (rotate-half layout)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str | None = None):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(cfg, seq_len=max_positions)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
+        self.rotary_dim = rotary_dim(cfg)
+        self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rotary_dim // 2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    half = rot_dim // 2
+    x1, x2, rest = x[..., :half], x[..., half:rot_dim], x[..., rot_dim:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)

@@ -1,0 +1,112 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
+
+The model computes over a flat batch of tokens: `input_ids` [T] and `positions` [T]
+may hold several sequences back to back. How K/V are stored and attended is up to
+the `attention` object passed to `forward` (a contiguous cache for one sequence
+here, paged block tables in the engine), so the model holds no cache state.
+
+Parameter names follow HF's, except two fused projections:
+`self_attn.qkv_proj` (q, k, v stacked on the output dim) and `mlp.gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.config import ModelConfig
+from brisk.models.layers import RMSNorm, RotaryEmbedding
+
+
+class Attention(Protocol):
+    """Stores this step's K/V for `layer` and returns attention output [T, num_heads * head_dim]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, attention: Attention):
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, attention):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build on the `meta` device, then `load_weights` assigns the real tensors."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], max_positions: int, device) -> None:
+        """Assign checkpoint tensors as parameters (no copy) and build the RoPE tables."""
+        if self.config.tie_word_embeddings:
+            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        self.load_state_dict(state_dict, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(self.config, max_positions, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rotary, attention)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> logits [N, vocab_size] in float32."""
+        return self.lm_head(hidden).float()

