@@ -202,7 +202,7 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
         except RuntimeError as e:  # shape mismatches between checkpoint and config.json
             first = str(e).strip().splitlines()[-1].strip()
             raise ModelLoadError(f"{model_dir}: weights do not match config.json ({first})") from None
-        net.eval()
+        net.eval().requires_grad_(False)
     with report.phase("tokenizer"):
         tokenizer = Tokenizer.from_dir(model_dir, _eos_ids(model_dir, cfg))
     if warmup:
