@@ -147,3 +147,52 @@ def _rope_from_hf(d: dict[str, Any], source: str) -> RopeConfig:
                 raise ModelLoadError(f"{source}: RoPE type 'llama3' needs a {key!r} key")
     return RopeConfig(rope_type=rope_type, theta=theta, factor=factor,
                       partial_rotary_factor=partial, extra=params)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_memory(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory size {text!r} is not understood; write e.g. 2GiB, 512MiB or 3GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None = kv_cache_fraction of available memory
+    kv_cache_fraction: float = 0.2
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # exact block count (tests, simulations)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if not 0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+
+    def num_blocks(self, bytes_per_token: int, max_model_len: int, available_bytes: int) -> int:
+        """Blocks that fit the budget; raises BriskError if one max_model_len sequence does not."""
+        from brisk.errors import BriskError
+
+        if self.num_gpu_blocks_override is not None:
+            blocks = self.num_gpu_blocks_override
+            budget = blocks * self.block_size * bytes_per_token
+        else:
+            budget = self.kv_cache_memory or int(available_bytes * self.kv_cache_fraction)
+            blocks = budget // (self.block_size * bytes_per_token)
+        needed = -(-max_model_len // self.block_size)
+        if blocks < needed:
+            need_bytes = needed * self.block_size * bytes_per_token
+            raise BriskError(
+                f"the KV cache ({budget / 2**20:.0f} MiB, {blocks} blocks of {self.block_size} tokens) cannot hold "
+                f"one max-length sequence ({max_model_len} tokens needs {need_bytes / 2**20:.0f} MiB); "
+                f"raise --kv-cache-memory to at least {-(-need_bytes // 2**20)}MiB or lower --max-model-len"
+            )
+        return blocks

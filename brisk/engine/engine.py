@@ -1,0 +1,196 @@
+"""The synchronous engine core: add_request / abort / step.
+
+`step()` is schedule -> run -> postprocess. Postprocessing appends sampled tokens,
+detokenizes incrementally, applies stop tokens, stop strings (held back while a
+partial match is possible), EOS and max_tokens, and frees finished requests' blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from brisk.config import CacheConfig
+from brisk.engine.kv_cache.manager import KVCacheManager
+from brisk.engine.memory import available_memory
+from brisk.engine.model_runner import ModelRunner
+from brisk.engine.outputs import RequestOutput, find_stop, held_back_length
+from brisk.engine.request import Request, RequestStatus
+from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.scheduler import Scheduler, SchedulerConfig
+from brisk.engine.stats import EngineStats
+from brisk.errors import BriskError
+from brisk.loading.loader import LoadedModel
+
+log = logging.getLogger("brisk.engine")
+
+
+class RequestError(BriskError):
+    """A request the engine cannot take (too long, bad ids); names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class _Pending:
+    """Text decoded but not yet released (it may be the start of a stop string)."""
+
+    text: str = ""
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None,
+                 scheduler: SchedulerConfig | None = None, seed: int = 0):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.cache_config = cache or CacheConfig()
+        self.scheduler_config = scheduler or SchedulerConfig(max_model_len=loaded.max_model_len)
+        if self.scheduler_config.max_model_len > loaded.max_model_len:
+            raise BriskError(f"max_model_len {self.scheduler_config.max_model_len} exceeds the model's "
+                             f"{loaded.max_model_len}")
+        bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype.itemsize)
+        self.num_blocks = self.cache_config.num_blocks(bytes_per_token, self.scheduler_config.max_model_len,
+                                                       available_memory(loaded.device))
+        bs = self.cache_config.block_size
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB), %.1f max-length (%d) sequences",
+                 self.num_blocks, bs, self.num_blocks * bs, self.num_blocks * bs * bytes_per_token / 2**20,
+                 self.num_blocks * bs / self.scheduler_config.max_model_len, self.scheduler_config.max_model_len)
+        self.kv = KVCacheManager(self.num_blocks, bs, self.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.runner = ModelRunner(loaded, self.num_blocks, bs, seed)
+        self._ids = itertools.count()
+        self._pending: dict[str, _Pending] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # -- requests ---------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        self._validate(ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt, prompt=text)
+        request.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
+        self.scheduler.add_request(request)
+        self._pending[request_id] = _Pending()
+        self.num_prompt_tokens += len(ids)
+        return request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        max_len = self.scheduler_config.max_model_len
+        if not ids:
+            raise RequestError("prompt", "is empty; give at least one token")
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) + params.max_tokens > max_len:
+            raise RequestError(
+                "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(ids) + params.max_tokens} exceeds max_model_len {max_len}")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it was unknown or already done."""
+        request = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return request is not None
+
+    def _forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step ---------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        sampled, samples = self.runner.execute(out.chunks)
+        self.scheduler.advance(out)
+        self.num_steps += 1
+        if samples is None:
+            return []
+        token_ids = samples.token_ids.tolist()  # the step's one host sync
+        extras = None
+        if samples.logprobs is not None:
+            extras = (samples.logprobs.tolist(), samples.top_ids.tolist(), samples.top_logprobs.tolist())
+        now = time.monotonic()
+        outputs = []
+        for i, (request, token) in enumerate(zip(sampled, token_ids)):
+            outputs.append(self._append_token(request, token, now, extras, i))
+        return outputs
+
+    def _append_token(self, request: Request, token: int, now: float, extras, row: int) -> RequestOutput:
+        request.output_token_ids.append(token)
+        request.times.token_ts.append(now)
+        if request.times.first_token_ts is None:
+            request.times.first_token_ts = now
+        self.num_generated_tokens += 1
+        params = request.params
+        if extras is not None and params.logprobs is not None:
+            chosen, top_ids, top_lps = extras
+            k = params.logprobs
+            request.logprobs.append({"token_id": token, "logprob": chosen[row],
+                                     "top": list(zip(top_ids[row][:k], top_lps[row][:k]))})
+        pending = self._pending[request.request_id]
+        pending.text += request.detokenizer.step(token)
+        status = None
+        if token in params.stop_token_ids:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED
+        hit = find_stop(request.output_text + pending.text, params.stop, len(request.output_text)) if params.stop else None
+        if hit is not None:
+            idx, stop = hit
+            end = idx + len(stop) if params.include_stop_str_in_output else idx
+            pending.text = (request.output_text + pending.text)[len(request.output_text):end]
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        elif status is None and (request.num_output_tokens >= params.max_tokens
+                                 or request.num_tokens >= self.scheduler_config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            keep = held_back_length(pending.text, params.stop) if params.stop else 0
+            release, pending.text = pending.text[:len(pending.text) - keep], pending.text[len(pending.text) - keep:]
+        else:
+            release, pending.text = pending.text, ""
+        old_len = len(request.output_token_ids) - 1
+        request.output_text += release
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self._forget(request.request_id)
+        return self._output(request, release, request.output_token_ids[old_len:])
+
+    def _output(self, request: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            text=request.output_text, token_ids=list(request.output_token_ids), delta_text=delta_text,
+            delta_token_ids=delta_ids, finished=request.status.finished, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, logprobs=request.logprobs if request.params.logprobs is not None else None,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            metrics={**request.times.phases_ms(), "num_preemptions": request.num_preemptions},
+        )
+
+    def stats(self) -> EngineStats:
+        usage = self.kv.usage()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=usage.num_blocks, kv_blocks_used=usage.num_used_blocks,
+            kv_blocks_cached_free=usage.num_cached_free_blocks,
+            kv_blocks_free=usage.num_blocks - usage.num_used_blocks, kv_usage=usage.usage,
+            kv_internal_fragmentation=usage.internal_fragmentation,
+            prefix_cache_queries_tokens=self.kv.prefix_queries_tokens,
+            prefix_cache_hits_tokens=self.kv.prefix_hits_tokens,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
+        )

@@ -1,0 +1,143 @@
+"""KV cache manager: the scheduler's only view of KV memory.
+
+It answers "give this request slots for N more tokens" with the new blocks or with
+None when memory is full (a normal condition the scheduler handles by waiting or
+preempting), finds the longest cached prefix of a new request, registers full
+blocks in the prefix cache once computed, and frees a request's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from brisk.engine.kv_cache.block_pool import BlockPool, KVBlock
+from brisk.engine.kv_cache.hashing import BlockHash, hash_full_blocks
+
+
+class CacheableRequest(Protocol):
+    request_id: str
+    cache_salt: str | None
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVCacheUsage:
+    num_blocks: int
+    num_used_blocks: int  # held by at least one request
+    num_cached_free_blocks: int  # free but still holding a reusable prefix
+    num_used_slots: int  # token slots holding K/V of live requests (shared blocks count once)
+    block_size: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Reserved-but-unfilled slots in used blocks / slots of used blocks."""
+        if not self.num_used_blocks:
+            return 0.0
+        return 1 - self.num_used_slots / (self.num_used_blocks * self.block_size)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_tokens: dict[str, int] = {}  # tokens whose slots are allocated
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+
+    def _hashes(self, request: CacheableRequest) -> list[BlockHash]:
+        known = self.req_hashes.get(request.request_id)
+        hashes = hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt, known)
+        self.req_hashes[request.request_id] = hashes
+        return hashes
+
+    def find_cached_prefix(self, request: CacheableRequest) -> PrefixHit:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute, since its logits are needed."""
+        if not self.pool.enable_caching:
+            return PrefixHit([], 0)
+        num_tokens = len(request.all_token_ids)
+        max_blocks = (num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in self._hashes(request)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
+                       prefix: PrefixHit | None = None) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens (after `prefix`, for a new request).
+
+        Returns the newly allocated blocks, or None — changing nothing — when memory is full."""
+        rid = request.request_id
+        held = self.req_blocks.get(rid, [])
+        shared = prefix.blocks if prefix else []
+        if shared and held:
+            raise RuntimeError(f"request {rid} already holds blocks; a prefix applies only at admission")
+        num_tokens = self.req_num_tokens.get(rid, 0) + (prefix.num_tokens if prefix else 0) + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(held) - len(shared)
+        # Shared blocks that are free now stop being allocatable once touched.
+        num_revived = sum(1 for b in shared if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
+            return None
+        if prefix is not None:  # admission: count the prefix-cache query once, when it succeeds
+            self.prefix_queries_tokens += len(request.all_token_ids)
+            self.prefix_hits_tokens += prefix.num_tokens
+        self.pool.touch(shared)
+        new_blocks = self.pool.allocate(max(num_needed, 0)) or []
+        self.req_blocks[rid] = held + shared + new_blocks
+        self.req_num_tokens[rid] = num_tokens
+        return new_blocks
+
+    def cache_full_blocks(self, request: CacheableRequest, num_computed_tokens: int) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        for block, block_hash in zip(blocks[:num_full], self._hashes(request)[:num_full]):
+            self.pool.cache(block, block_hash)
+
+    def free(self, request_id: str) -> None:
+        """Release every block the request holds (tail first, so its prefix outlives its tail)."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self.pool.free(list(reversed(blocks)))
+        self.req_hashes.pop(request_id, None)
+        self.req_num_tokens.pop(request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> KVCacheUsage:
+        num_used = self.pool.num_blocks - self.pool.num_free_blocks
+        # Slots filled: count each used block once, with the fill level its holders reach.
+        fill: dict[int, int] = {}
+        for rid, blocks in self.req_blocks.items():
+            n = self.req_num_tokens[rid]
+            for i, block in enumerate(blocks):
+                fill[block.block_id] = max(fill.get(block.block_id, 0), min(self.block_size, n - i * self.block_size))
+        return KVCacheUsage(self.pool.num_blocks, num_used, self.pool.num_cached_free_blocks,
+                            sum(fill.values()), self.block_size)

@@ -1,0 +1,44 @@
+"""What the engine hands back per request per step, and stop-string handling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str  # all text released so far
+    token_ids: list[int]
+    delta_text: str  # text released by this step
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[str, Any]] | None = None
+    num_cached_prompt_tokens: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
+    """Earliest occurrence of any stop string that ends after `search_from`."""
+    best = None
+    for stop in stops:
+        idx = text.find(stop, max(0, search_from - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
+
+
+def held_back_length(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

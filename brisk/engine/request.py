@@ -1,0 +1,88 @@
+"""A request's state as it moves through the engine, with its lifecycle timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from brisk.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic seconds (time.monotonic). One set of stamps; every report derives from it."""
+
+    arrival_ts: float = field(default_factory=time.monotonic)
+    first_scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    token_ts: list[float] = field(default_factory=list)
+    finished_ts: float | None = None
+
+    def phases_ms(self) -> dict[str, float | None]:
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round((b - a) * 1e3, 3)
+
+        return {
+            "queue_ms": ms(self.arrival_ts, self.first_scheduled_ts),
+            "prefill_ms": ms(self.first_scheduled_ts, self.first_token_ts),
+            "ttft_ms": ms(self.arrival_ts, self.first_token_ts),
+            "decode_ms": ms(self.first_token_ts, self.finished_ts),
+            "e2e_ms": ms(self.arrival_ts, self.finished_ts),
+        }
+
+    def itl_ms(self) -> list[float]:
+        return [(b - a) * 1e3 for a, b in zip(self.token_ts, self.token_ts[1:])]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower is served first; FCFS among equals
+    cache_salt: str | None = None
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    times: RequestTimes = field(default_factory=RequestTimes)
+    num_preemptions: int = 0
+    arrival_seq: int = 0  # tie-breaker for FCFS order, set by the scheduler
+    # Filled by the engine's output processing.
+    output_text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    detokenizer: Any = None
+    stop_reason: str | int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,91 @@
+"""Sampling on the model's device: penalties, greedy/temperature/top-k/top-p/min-p,
+per-request seeds, and logprobs. One host transfer per step (the caller's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from brisk.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N]
+    logprobs: torch.Tensor | None  # [N] logprob of the sampled token
+    top_ids: torch.Tensor | None  # [N, k]
+    top_logprobs: torch.Tensor | None  # [N, k]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        if request.params.seed is None:
+            return self.generator
+        gen = self.request_generators.get(request.request_id)
+        if gen is None:  # seeded once per request: same seed, same draws, whatever the batch
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(request.params.seed)
+            self.request_generators[request.request_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [N, vocab] float32, row i for requests[i]."""
+        for i, request in enumerate(requests):
+            if request.params.needs_penalties:
+                _apply_penalties(logits[i], request)
+        num_top = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
+        logprobs_all = torch.log_softmax(logits, dim=-1) if num_top is not None else None
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        for i, request in enumerate(requests):
+            if not request.params.greedy:
+                probs = _filtered_probs(logits[i], request)
+                token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request))[0]
+        if logprobs_all is None:
+            return SamplerOutput(token_ids, None, None, None)
+        chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]
+        top_logprobs, top_ids = logprobs_all.topk(max(num_top, 1), dim=-1)
+        return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+
+
+def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+    """In place on one row of logits. Repetition (HF/CTRL semantics) over prompt and output;
+    presence/frequency (OpenAI semantics) over the output."""
+    p = request.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+        ids, counts = torch.tensor(request.output_token_ids, device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def _filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:
+    p = request.params
+    logits = row / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = (cumulative - sorted_probs) >= p.top_p * cumulative[-1]
+        probs = probs.scatter(0, order[drop], 0.0)
+    return probs

@@ -1,0 +1,50 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams) -> list[RequestOutput]`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from brisk.config import CacheConfig
+from brisk.engine.engine import LLMEngine
+from brisk.engine.outputs import RequestOutput
+from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.scheduler import SchedulerConfig
+from brisk.loading.loader import load
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
+                 max_model_len: int | None = None, block_size: int = 16, kv_cache_memory: int | None = None,
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, seed: int = 0):
+        self.loaded = load(model, device=device, dtype=dtype, max_model_len=max_model_len)
+        self.engine = LLMEngine(
+            self.loaded,
+            CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                        enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks),
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=self.loaded.max_model_len),
+            seed=seed,
+        )
+        self.tokenizer = self.loaded.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.engine.add_request(p if isinstance(p, str) else list(p), sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | None = None) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)

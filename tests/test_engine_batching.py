@@ -1,0 +1,156 @@
+"""The paged engine on the demo model: greedy batch invariance (1, 8, 64 at once, and 64
+under a KV pool so small that preemption happens), agreement with the simple path,
+sampling, stop strings, aborts and prefix sharing."""
+
+import pytest
+
+from brisk.config import CacheConfig
+from brisk.engine.engine import LLMEngine, RequestError
+from brisk.engine.sampling_params import SamplingParams, SamplingParamsError
+from brisk.engine.scheduler import SchedulerConfig
+from brisk.generate import generate_ids
+
+from test_demo_reference import PROMPTS
+
+TOPICS = ["rivers", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "jazz", "glaciers", "tea",
+          "owls", "bridges", "deserts", "clocks", "whales", "paper", "salt", "kites", "maps", "ice"]
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompts64(demo):
+    texts = PROMPTS + [f"Tell me one fact about {t}." for t in TOPICS] + \
+        [f"Write a sentence that uses the word '{t}' twice." for t in TOPICS] + \
+        ["Count from 1 to 10.", "Name four seasons."]
+    assert len(texts) == 62
+    texts += ["A" * 300, "你好" * 120]  # two longer prompts (multi-block, chunked prefill)
+    return [demo.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def make_engine(demo, num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, prefix=True, block_size=16):
+    return LLMEngine(demo, CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks or 2048,
+                                       enable_prefix_caching=prefix),
+                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     max_model_len=1024))
+
+
+def run(engine, prompts, params, wave=None):
+    """Submit `wave` prompts at a time (all when None); returns token ids in prompt order."""
+    results = {}
+    wave = wave or len(prompts)
+    for start in range(0, len(prompts), wave):
+        ids = [engine.add_request(p, params) for p in prompts[start:start + wave]]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        for rid in ids:
+            assert rid in results
+    return [results[k].token_ids for k in sorted(results, key=lambda k: int(k.split("-")[1]))]
+
+
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(demo, prompts64):
+    return run(make_engine(demo), prompts64, GREEDY, wave=1)
+
+
+def test_engine_matches_simple_path(demo, prompts64, one_at_a_time):
+    for ids, got in list(zip(prompts64, one_at_a_time))[:8]:
+        assert got == list(generate_ids(demo, ids, NUM_TOKENS, ignore_eos=True))
+
+
+@pytest.mark.parametrize("wave", [8, 64])
+def test_greedy_batch_invariance(demo, prompts64, one_at_a_time, wave):
+    assert run(make_engine(demo), prompts64, GREEDY, wave=wave) == one_at_a_time
+
+
+def test_greedy_invariance_under_preemption(demo, prompts64, one_at_a_time):
+    engine = make_engine(demo, num_blocks=64)  # 1024 slots for 64 sequences of ~60 tokens
+    assert run(engine, prompts64, GREEDY) == one_at_a_time
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
+def test_prefix_sharing_saves_blocks_and_keeps_outputs(demo):
+    system = "You are a meticulous assistant. " * 40
+    prompts = [demo.tokenizer.encode_chat([{"role": "system", "content": system},
+                                           {"role": "user", "content": f"Say the number {i}."}]) for i in range(4)]
+    shared, plain = make_engine(demo, prefix=True), make_engine(demo, prefix=False)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out_shared = [run(shared, [p], params)[0] for p in prompts]
+    out_plain = run(plain, prompts, params)
+    assert out_shared == out_plain
+    stats = shared.stats()
+    assert stats.prefix_cache_hits_tokens >= 3 * (len(prompts[0]) // 16 - 1) * 16
+    assert plain.stats().prefix_cache_hits_tokens == 0
+
+
+def test_seeded_sampling_is_independent_of_batch(demo, prompts64):
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = run(make_engine(demo), prompts64[:1], params)
+    batched = run(make_engine(demo), prompts64[:6], params)
+    assert batched[0] == alone[0]
+    assert len({tuple(b) for b in batched}) > 1  # different prompts, different samples
+
+
+def test_stop_string_is_never_emitted(demo):
+    engine = make_engine(demo)
+    prompt = demo.tokenizer.encode_chat([{"role": "user", "content": "Count from 1 to 20, separated by commas."}])
+    full = run(engine, [prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    text = demo.tokenizer.decode(full)
+    stop = "4\n5."  # spans several tokens
+    assert stop in text
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop]))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.delta_text)
+            final = out
+    assert final.request_id == rid and final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.text == text[: text.index(stop)]
+    assert "".join(deltas) == final.text and all(stop not in d for d in deltas)
+
+
+def test_logprobs_and_penalties(demo):
+    engine = make_engine(demo)
+    prompt = demo.tokenizer.encode_chat([{"role": "user", "content": "Repeat: la la la la la"}])
+    out = run(engine, [prompt], SamplingParams(max_tokens=5, temperature=0, logprobs=3))[0]
+    final = engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0, logprobs=3))
+    results = []
+    while engine.has_unfinished_requests():
+        results += engine.step()
+    lps = results[-1].logprobs
+    assert [lp["token_id"] for lp in lps] == out
+    for lp in lps:  # greedy: the chosen token is the top alternative
+        assert len(lp["top"]) == 3 and lp["top"][0][0] == lp["token_id"]
+        assert lp["logprob"] == pytest.approx(lp["top"][0][1]) and lp["logprob"] <= 0
+    penalized = run(engine, [prompt], SamplingParams(max_tokens=12, temperature=0, frequency_penalty=2.0,
+                                                     ignore_eos=True))[0]
+    assert len(set(penalized)) > len(set(run(engine, [prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                                                 ignore_eos=True))[0])) - 1
+
+
+def test_abort_frees_blocks(demo, prompts64):
+    engine = make_engine(demo)
+    rid = engine.add_request(prompts64[0], SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    assert engine.stats().kv_blocks_used > 0
+    assert engine.abort(rid)
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
+    assert not engine.abort(rid)
+
+
+def test_invalid_requests(demo):
+    engine = make_engine(demo)
+    with pytest.raises(RequestError, match="max_tokens: prompt .* exceeds max_model_len 1024"):
+        engine.add_request([1] * 1000, SamplingParams(max_tokens=100))
+    with pytest.raises(RequestError, match="prompt: is empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(SamplingParamsError, match="top_p: must be in"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(SamplingParamsError, match="logprobs: must be in \\[0, 20\\]"):
+        SamplingParams(logprobs=21)
