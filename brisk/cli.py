@@ -23,12 +23,38 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", "-v", action="store_true", help="print the load report; tracebacks on errors")
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size, e.g. 2GiB (default: 20%% of available memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable KV prefix sharing")
+
+
+def build_engine(args: argparse.Namespace, loaded):
+    from brisk.config import CacheConfig, parse_memory
+    from brisk.engine.engine import LLMEngine
+    from brisk.engine.scheduler import SchedulerConfig
+
+    try:
+        memory = parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None
+        cache = CacheConfig(block_size=args.block_size, kv_cache_memory=memory,
+                            enable_prefix_caching=not args.no_prefix_caching)
+        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                max_model_len=loaded.max_model_len)
+    except ValueError as e:
+        raise BriskError(str(e)) from None
+    return LLMEngine(loaded, cache, sched, seed=args.seed or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="brisk", description="LLM inference server and latency diagnostics")
     parser.add_argument("--version", action="version", version=f"brisk {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_model_args(gen)
+    _add_engine_args(gen)
     gen.add_argument("prompt", help="the prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
@@ -43,13 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
     from brisk.loading.report import LoadReport
 
     report = LoadReport()
     with report.phase("imports"):
-        from brisk.generate import GenerationTimings, generate_ids
+        from brisk.engine.async_engine import AsyncLLMEngine
+        from brisk.engine.sampling_params import SamplingParams
         from brisk.loading.loader import load
 
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, report=report)
     if args.verbose:
         print("\n".join(report.lines()), file=sys.stderr)
@@ -60,28 +92,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode_chat(messages)
     else:
         prompt_ids = tok.encode(args.prompt)
-    timings = GenerationTimings()
-    detok = tok.detokenizer()
-    token_ids = []
-    for token in generate_ids(loaded, prompt_ids, args.max_tokens, args.temperature, args.seed,
-                              args.ignore_eos, timings):
-        token_ids.append(token)
-        piece = detok.step(token)
-        if not args.json and piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise BriskError(str(e)) from None
+    engine = AsyncLLMEngine(build_engine(args, loaded))
+
+    async def run():
+        final = None
+        async for out in engine.generate(prompt_ids, params):
+            if not args.json and out.delta_text:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+            final = out
+        return final
+
+    try:
+        final = asyncio.run(run())
+    except ValueError as e:  # request validation (too long for the context, ...)
+        raise BriskError(str(e)) from None
+    finally:
+        engine.shutdown()
+    metrics = final.metrics
+    decode_tokens = len(final.token_ids) - 1
+    decode_s = (metrics["decode_ms"] or 0) / 1e3
+    timings = {**{k: v for k, v in metrics.items() if k.endswith("_ms")},
+               "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s else None}
     if args.json:
         print(json.dumps({
-            "text": detok.text, "token_ids": token_ids, "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(token_ids), "load_report": report.to_dict(),
-            "timings": timings.to_dict(len(token_ids)),
+            "text": final.text, "token_ids": final.token_ids, "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(final.token_ids), "finish_reason": final.finish_reason,
+            "load_report": report.to_dict(), "timings": timings,
         }, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
     if args.verbose:
-        t = timings.to_dict(len(token_ids))
-        print(f"prefill {t['prefill_ms']} ms, decode {t['decode_ms']} ms "
-              f"({t['decode_tokens_per_s']} tok/s)", file=sys.stderr)
+        print(f"ttft {timings['ttft_ms']} ms, decode {timings['decode_ms']} ms "
+              f"({timings['decode_tokens_per_s']} tok/s), finish_reason={final.finish_reason}", file=sys.stderr)
     return 0
 
 

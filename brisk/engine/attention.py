@@ -38,8 +38,13 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # NOTE: empty, not zeros: the OS maps pages only when a block is first written, so a
+        # large pool costs nothing at start. Only slot 0 is read before being written (it pads
+        # the decode batch, masked out), and it must hold finite values.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, 0].zero_()
+        self.v[:, 0].zero_()
 
 
 class TorchPagedAttention:

@@ -1,0 +1,79 @@
+"""The async engine: streaming outputs, abort on consumer exit, errors to the caller."""
+
+import asyncio
+
+import pytest
+
+from brisk.engine.async_engine import AsyncLLMEngine
+from brisk.engine.engine import RequestError
+from brisk.engine.sampling_params import SamplingParams
+
+from test_engine_batching import make_engine
+
+
+@pytest.fixture
+def async_engine(demo):
+    engine = AsyncLLMEngine(make_engine(demo))
+    yield engine
+    engine.shutdown()
+
+
+def test_streams_incremental_outputs(demo, async_engine):
+    prompt = demo.tokenizer.encode_chat([{"role": "user", "content": "Name three fruits."}])
+
+    async def consume():
+        return [out async for out in async_engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0))]
+
+    outs = asyncio.run(consume())
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert "".join(o.delta_text for o in outs) == outs[-1].text
+    assert [t for o in outs for t in o.delta_token_ids] == outs[-1].token_ids
+
+
+def test_consumer_leaving_aborts_and_frees_blocks(demo, async_engine):
+    prompt = demo.tokenizer.encode_chat([{"role": "user", "content": "Write a long essay about rivers."}])
+
+    async def leave_early():
+        agen = async_engine.generate(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        async for out in agen:
+            if len(out.token_ids) >= 3:
+                break
+        await agen.aclose()
+        for _ in range(200):  # the abort is applied before the engine's next step
+            if not async_engine.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(leave_early())
+    stats = async_engine.engine.stats()
+    assert stats.num_running == 0 and stats.kv_blocks_used == 0
+
+
+def test_validation_error_reaches_the_caller(async_engine):
+    async def too_long():
+        async for _ in async_engine.generate([1] * 1020, SamplingParams(max_tokens=10)):
+            pass
+
+    with pytest.raises(RequestError, match="exceeds max_model_len"):
+        asyncio.run(too_long())
+
+
+def test_event_loop_stays_responsive_while_generating(demo, async_engine):
+    prompt = demo.tokenizer.encode_chat([{"role": "user", "content": "Tell me a story."}])
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        async for _ in async_engine.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)):
+            pass
+        task.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > 5
