@@ -217,3 +217,18 @@ def test_scheduler_and_kv_cache_import_no_torch():
     code = ("import sys, brisk.engine.scheduler, brisk.engine.kv_cache.manager; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_kv_sizing_and_refusal():
+    from brisk.config import CacheConfig, parse_memory
+    from brisk.errors import BriskError
+
+    assert parse_memory("2GiB") == 2 * 2**30 and parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("1.5GB") == 1_500_000_000
+    with pytest.raises(ValueError, match="not understood"):
+        parse_memory("lots")
+    per_token = 46080  # SmolLM2-135M fp32: 2 * 30 layers * 192 * 4 bytes
+    cfg = CacheConfig(block_size=16, kv_cache_memory=2 * 2**30)
+    assert cfg.num_blocks(per_token, 8192, available_bytes=0) == 2 * 2**30 // (16 * per_token)
+    with pytest.raises(BriskError, match="cannot hold one max-length sequence.*raise --kv-cache-memory to at least 360MiB"):
+        CacheConfig(kv_cache_memory=100 * 2**20).num_blocks(per_token, 8192, available_bytes=0)

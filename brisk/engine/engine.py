@@ -18,7 +18,7 @@ from brisk.engine.memory import available_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import RequestOutput, find_stop, held_back_length
 from brisk.engine.request import Request, RequestStatus
-from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.sampling_params import ParamError, SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerConfig
 from brisk.engine.stats import EngineStats
 from brisk.errors import BriskError
@@ -27,12 +27,8 @@ from brisk.loading.loader import LoadedModel
 log = logging.getLogger("brisk.engine")
 
 
-class RequestError(BriskError):
-    """A request the engine cannot take (too long, bad ids); names the field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+class RequestError(ParamError, BriskError):
+    """A request the engine cannot take (too long, bad token ids); names the field."""
 
 
 @dataclass

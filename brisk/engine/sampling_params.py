@@ -7,12 +7,16 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter outside its allowed range; names the field."""
+class ParamError(ValueError):
+    """A request field with a bad value; the message starts with the field's name."""
 
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+class SamplingParamsError(ParamError):
+    """A sampling parameter outside its allowed range."""
 
 
 @dataclass
