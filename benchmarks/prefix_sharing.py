@@ -17,7 +17,7 @@ from brisk.engine.sampling_params import SamplingParams
 from brisk.llm import LLM
 
 SYSTEM = ("You are the support assistant of a railway company. Answer politely, cite the timetable, "
-          "never invent connections, and keep answers short. ") * 30
+          "never invent connections, and keep answers short. ") * 38
 
 
 def run(prefix_caching: bool) -> dict:
