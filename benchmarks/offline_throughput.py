@@ -65,7 +65,7 @@ def main() -> None:
         p = Path(path)
         hf = (AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval(),
               AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name))
-    print(f"| batch | brisk tok/s | HF generate tok/s | brisk / HF |")
+    print("| batch | brisk tok/s | HF generate tok/s | brisk / HF |")
     print("|---|---|---|---|")
     for batch in batches:
         ours = brisk_run(llm, batch, args.tokens)

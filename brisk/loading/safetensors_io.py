@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import struct
 import threading
 from pathlib import Path
