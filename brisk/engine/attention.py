@@ -29,8 +29,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] slot where each new token's K/V is written
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] (padded with slot 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where valid
+    decode_slots: torch.Tensor | None  # [num_decodes * max_context] flat (rows padded with slot 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where valid; None if no padding
     prefills: list[PrefillSeq]
 
 
@@ -61,16 +61,19 @@ class TorchPagedAttention:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             n = meta.num_decodes
-            keys = k_cache[meta.decode_slots].transpose(1, 2)  # [n, num_kv_heads, max_context, head_dim]
-            values = v_cache[meta.decode_slots].transpose(1, 2)
+            shape = (n, -1, k_cache.shape[1], k_cache.shape[2])
+            # [n, num_kv_heads, max_context, head_dim]
+            keys = k_cache.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
+            values = v_cache.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
             query = q[:n].unsqueeze(2)  # [n, num_heads, 1, head_dim]
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
                                                   scale=self.scale, enable_gqa=True)
             out[:n] = attn.reshape(n, -1)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.num_query)
-            keys = k_cache[seq.context_slots].transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, S, head_dim]
-            values = v_cache[seq.context_slots].transpose(0, 1).unsqueeze(0)
+            # [1, num_kv_heads, S, head_dim]
+            keys = k_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
+            values = v_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
             query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, L, head_dim]
             mask = None
             if seq.first_position > 0:

@@ -54,10 +54,12 @@ class ModelRunner:
         dev = self.device
         decode_slot_t = decode_mask = None
         if decode_slots:
-            width = max(len(s) for s in decode_slots)
-            decode_slot_t = torch.tensor([s + [0] * (width - len(s)) for s in decode_slots], device=dev)
-            lengths = torch.tensor([len(s) for s in decode_slots], device=dev)
-            decode_mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
+            lengths = [len(s) for s in decode_slots]
+            width = max(lengths)
+            decode_slot_t = torch.tensor([x for s in decode_slots for x in s + [0] * (width - len(s))], device=dev)
+            if min(lengths) < width:  # rows of unequal length: mask the padding
+                lengths_t = torch.tensor(lengths, device=dev)
+                decode_mask = (torch.arange(width, device=dev)[None, :] < lengths_t[:, None])[:, None, None, :]
         meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), len(decode_slots), decode_slot_t,
                                  decode_mask, prefills)
         return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,

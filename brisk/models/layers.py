@@ -8,6 +8,7 @@ the same way so that logits agree with the reference.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -121,11 +122,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scaling).to(device), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTables":
+        """cos/sin rows for these positions, looked up once per forward and shared by all layers."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, rotary_dim // 2]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return RopeTables(cos, sin, self.rotary_dim)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rotary_dim // 2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        return self.tables(positions, q.dtype).apply(q, k)
+
+
+class RopeTables(NamedTuple):
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate(q, self.cos, self.sin, self.rotary_dim), _rotate(k, self.cos, self.sin, self.rotary_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:

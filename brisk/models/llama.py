@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ModelConfig
-from brisk.models.layers import RMSNorm, RotaryEmbedding
+from brisk.models.layers import RMSNorm, RopeTables, RotaryEmbedding
 from brisk.models.linear import Linear
 
 
@@ -37,14 +37,14 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, attention: Attention):
+    def forward(self, x, rope: RopeTables, attention: Attention):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = rope.apply(q, k)
         out = attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
         return self.o_proj(out)
 
@@ -69,8 +69,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, attention):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attention)
+    def forward(self, x, rope, attention):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -104,8 +104,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, attention)
+            x = layer(x, rope, attention)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
