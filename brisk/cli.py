@@ -65,7 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, prompt_tokens, completion_tokens, load_report, timings}")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    srv.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                     help="model directory, .gguf file, or catalog name (default: smollm2-135m-instruct)")
+    _add_model_args(srv)
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: from MODEL)")
+    srv.add_argument("--context-policy", default="reject", choices=["reject", "truncate-oldest", "clamp-max-tokens"],
+                     help="when prompt + max_tokens exceeds the window: reject with 400 (default), drop the "
+                          "oldest chat messages, or lower max_tokens; always reported to the client")
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="requests allowed to wait beyond --max-num-seqs; more get 429 (default 256)")
+    srv.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
+                                                      "(or set BRISK_API_KEY)")
+    srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (default 16 MiB)")
+    srv.add_argument("--seed", type=int, default=None, help="seed of the sampler for unseeded requests")
+    srv.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from brisk.server.serve import serve
+
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise BriskError(f"two models given ({args.model_arg!r} and --model {args.model!r}); give one")
+        args.model = args.model_arg
+    return serve(args, build_engine)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ and an incremental detokenizer that never emits broken UTF-8."""
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -121,8 +122,33 @@ class Tokenizer:
         """Token ids of the rendered template; the template itself places any BOS (HF semantics)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (byte-level BPE pieces may be partial UTF-8)."""
+        piece = self.fast.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.fast.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    stand_ins = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            stand_ins.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, stand_ins)}
 
 
 class IncrementalDetokenizer:

@@ -1,23 +1,28 @@
 """Async front of the engine: `generate()` yields RequestOutputs as tokens arrive,
-`abort()` stops a request. The step loop runs in a background thread, so the event
-loop stays responsive; every engine mutation happens on that thread (requests and
-aborts are handed over through a queue and applied before the next step).
+`abort()` stops a request, `fail()` stops it and raises an error in its consumer.
+
+The step loop runs in a background thread, so the event loop stays responsive; every
+engine mutation happens on that thread (requests, aborts and stats queries are handed
+over through a queue and applied before the next step). No consumer is ever left
+waiting: when the loop dies or shuts down, every open stream and every pending
+command gets an `EngineDeadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from brisk.engine.engine import LLMEngine
+from brisk.engine.errors import EngineDeadError
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.stats import EngineStats
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped with an error; open requests are ended with it."""
+log = logging.getLogger("brisk.engine")
 
 
 class AsyncLLMEngine:
@@ -31,59 +36,110 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="brisk-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def is_alive(self) -> bool:
+        return not self._stopped and self.error is None
+
     # -- public API (event-loop side) ----------------------------------------
+    async def add(self, prompt: str | list[int], params: SamplingParams | None = None,
+                  request_id: str | None = None, priority: int = 0,
+                  cache_salt: str | None = None) -> "RequestStream":
+        """Add a request (raising its validation error here) and return its output stream."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        request_id = await self._call("add", (prompt, params, request_id, priority, cache_salt), outputs)
+        return RequestStream(self, request_id, outputs)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        if self.error is not None:
-            raise EngineDeadError(f"engine loop died: {self.error!r}")
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        done = loop.create_future()
-        self._commands.put(("add", (prompt, params, request_id, priority, cache_salt), loop, outputs, done))
-        self._wakeup.set()
-        request_id = await done  # raises the validation error, if any
-        finished = False
+        stream = await self.add(prompt, params, request_id, priority, cache_salt)
         try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # the consumer went away (client disconnect, cancellation)
-                self.abort(request_id)
+            async for out in stream:
+                yield out
+        finally:  # the consumer went away (client disconnect, cancellation) or failed
+            stream.close()
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None, None, None))
+        """Stop a request and free its blocks before the next step; safe from any thread."""
+        self._commands.put(("abort", request_id, None, None))
         self._wakeup.set()
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """Abort a request and raise `error` in its consumer (timeouts, shutdown)."""
+        self._commands.put(("fail", (request_id, error), None, None))
+        self._wakeup.set()
+
+    def fail_all(self, error: BaseException) -> None:
+        self._commands.put(("fail_all", error, None, None))
+        self._wakeup.set()
+
+    async def stats(self) -> EngineStats:
+        """A consistent snapshot, taken on the engine thread between steps."""
+        return await self._call("stats", None, None)
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=30)
 
+    async def _call(self, kind: str, payload: Any, outputs: asyncio.Queue | None):
+        if not self.is_alive:
+            raise self._dead_error()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put((kind, payload, outputs, (loop, done)))
+        self._wakeup.set()
+        if not self.is_alive:  # died between the check and the put: nobody will read the queue
+            self._drain_commands()
+        return await done
+
+    def _dead_error(self) -> EngineDeadError:
+        if self.error is not None:
+            return EngineDeadError(f"engine loop died: {self.error!r}")
+        return EngineDeadError("engine is shut down")
+
     # -- engine thread --------------------------------------------------------
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, payload, loop, outputs, done = self._commands.get_nowait()
+                kind, payload, outputs, reply = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "abort":
                 self.engine.abort(payload)
                 self._streams.pop(payload, None)
+            elif kind == "fail":
+                self._fail(*payload)
+            elif kind == "fail_all":
+                for request_id in list(self._streams):
+                    self._fail(request_id, payload)
+            elif kind == "stats":
+                _reply(reply, self.engine.stats(), None)
+            elif kind == "add":
+                try:
+                    rid = self.engine.add_request(*payload)
+                except Exception as e:  # validation errors go back to the caller
+                    _reply(reply, None, e)
+                    continue
+                self._streams[rid] = (reply[0], outputs)
+                _reply(reply, rid, None)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, error)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
                 continue
-            try:
-                rid = self.engine.add_request(*payload)
-            except Exception as e:  # validation errors go back to the caller
-                loop.call_soon_threadsafe(_resolve, done, None, e)
-                continue
-            self._streams[rid] = (loop, outputs)
-            loop.call_soon_threadsafe(_resolve, done, rid, None)
+            loop, queue_ = stream
+            loop.call_soon_threadsafe(queue_.put_nowait, out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
 
     def _run(self) -> None:
         try:
@@ -93,22 +149,60 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    loop, outputs = stream
-                    loop.call_soon_threadsafe(outputs.put_nowait, out)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
+                self._publish(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - every open stream must learn about it
+            log.exception("engine loop died")
             self.error = e
-            for loop, outputs in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put_nowait, EngineDeadError(f"engine loop died: {e!r}"))
-            self._streams.clear()
-            raise
         finally:
             self._stopped = True
+            error = self._dead_error()
+            for loop, outputs in self._streams.values():
+                loop.call_soon_threadsafe(outputs.put_nowait, error)
+            self._streams.clear()
+            self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        """Answer every queued command with the death error (the loop will never read them)."""
+        error = self._dead_error()
+        while True:
+            try:
+                _, _, _, reply = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if reply is not None:
+                _reply(reply, None, error)
+
+
+class RequestStream:
+    """One request's outputs, in order; `close()` aborts it unless it already finished."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, outputs: asyncio.Queue):
+        self.engine, self.request_id, self._outputs = engine, request_id, outputs
+        self.done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self.done = True  # the engine already dropped it (fail, death)
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
+
+
+def _reply(reply: tuple[asyncio.AbstractEventLoop, asyncio.Future], value, error) -> None:
+    loop, future = reply
+    loop.call_soon_threadsafe(_resolve, future, value, error)
 
 
 def _resolve(future: asyncio.Future, value, error) -> None:
@@ -118,3 +212,4 @@ def _resolve(future: asyncio.Future, value, error) -> None:
         future.set_exception(error)
     else:
         future.set_result(value)
+

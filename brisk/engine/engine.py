@@ -174,8 +174,15 @@ class LLMEngine:
             delta_token_ids=delta_ids, finished=request.status.finished, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, logprobs=request.logprobs if request.params.logprobs is not None else None,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-            metrics={**request.times.phases_ms(), "num_preemptions": request.num_preemptions},
+            metrics=self._metrics(request),
         )
+
+    @staticmethod
+    def _metrics(request: Request) -> dict:
+        metrics = {**request.times.phases_ms(), "num_preemptions": request.num_preemptions}
+        if request.status.finished:
+            metrics["itl_ms"] = [round(gap, 3) for gap in request.times.itl_ms()]
+        return metrics
 
     def stats(self) -> EngineStats:
         usage = self.kv.usage()

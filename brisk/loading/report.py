@@ -19,13 +19,16 @@ class LoadReport:
     weight_bytes: int = 0
     device: str = ""
     dtype: str = ""
+    current_phase: str | None = None  # the phase running now (read by the server's /ready)
 
     @contextmanager
     def phase(self, name: str):
         start = time.perf_counter()
+        self.current_phase = name
         try:
             yield
         finally:
+            self.current_phase = None
             self.phases_ms[name] = self.phases_ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
 
     def add(self, name: str, ms: float) -> None:

@@ -1,0 +1,116 @@
+"""Prometheus metrics for the server — the only module that imports prometheus_client.
+
+Every name starts with `brisk:` (documented in docs/metrics.md). Counters only grow;
+engine gauges come from one `EngineStats` snapshot taken on the engine thread just before
+each scrape, so a scrape never races a step and never resets anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from brisk.engine.stats import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                    3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_PHASE_HISTOGRAMS = {  # RequestOutput.metrics key -> (metric name, help)
+    "ttft_ms": ("brisk:time_to_first_token_seconds", "Arrival to first generated token."),
+    "queue_ms": ("brisk:request_queue_time_seconds", "Arrival to first scheduled (waiting in the queue)."),
+    "prefill_ms": ("brisk:request_prefill_time_seconds", "First scheduled to first token (prompt processing)."),
+    "decode_ms": ("brisk:request_decode_time_seconds", "First token to finish."),
+    "e2e_ms": ("brisk:e2e_request_latency_seconds", "Arrival to finish."),
+}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.model_name = model_name
+        self.requests = Counter("brisk:request_success", "Finished requests by finish_reason.",
+                                ["finish_reason"], registry=r)
+        self.http_responses = Counter("brisk:http_responses", "HTTP responses by route and status code.",
+                                      ["route", "status"], registry=r)
+        self.context_guard = Counter("brisk:context_guard", "Context-guard outcomes per request.",
+                                     ["outcome"], registry=r)
+        self.aborts = Counter("brisk:request_aborts", "Requests ended early, by cause.", ["cause"], registry=r)
+        self.prompt_tokens = Counter("brisk:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("brisk:generation_tokens", "Generated tokens.", registry=r)
+        self.phases = {key: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+                       for key, (name, doc) in _PHASE_HISTOGRAMS.items()}
+        self.itl = Histogram("brisk:inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.load_phase = Histogram("brisk:model_load_phase_seconds", "Model load time by phase.", ["phase"],
+                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+                                    registry=r)
+        self.load_state = Gauge("brisk:model_load_state", "1 for the current load state.", ["state"], registry=r)
+        self.load_seconds = Gauge("brisk:model_load_duration_seconds", "Total model load time.", registry=r)
+        self.build_info = Gauge("brisk:build_info", "Version, model, dtype and device (value 1).",
+                                ["version", "model", "dtype", "device"], registry=r)
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+        self.set_load_state("loading")
+
+    def set_load_state(self, state: str) -> None:
+        for s in ("loading", "ready", "failed"):
+            self.load_state.labels(s).set(1.0 if s == state else 0.0)
+
+    def observe_load(self, phases_ms: dict[str, float], total_ms: float) -> None:
+        for phase, ms in phases_ms.items():
+            self.load_phase.labels(phase).observe(ms / 1e3)
+        self.load_seconds.set(total_ms / 1e3)
+
+    def observe_finished(self, finish_reason: str | None, metrics: dict[str, Any], num_tokens: int) -> None:
+        """One finished engine request (one choice), from the engine's own timestamps."""
+        self.requests.labels(finish_reason or "abort").inc()
+        for key, histogram in self.phases.items():
+            value = metrics.get(key)
+            if value is not None:
+                histogram.observe(value / 1e3)
+        for gap_ms in metrics.get("itl_ms") or ():
+            self.itl.observe(gap_ms / 1e3)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        self._engine.stats = stats
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine gauges and counters from the latest stats snapshot."""
+
+    def __init__(self):
+        self.stats: EngineStats | None = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.stats
+        if s is None:
+            return
+        gauges = [
+            ("brisk:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("brisk:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).", s.num_waiting),
+            ("brisk:kv_blocks_total", "KV-cache blocks in the pool.", s.kv_blocks_total),
+            ("brisk:kv_blocks_used", "KV blocks held by requests.", s.kv_blocks_used),
+            ("brisk:kv_blocks_cached", "Free KV blocks still holding a reusable prefix.", s.kv_blocks_cached_free),
+            ("brisk:kv_usage_ratio", "Used / total KV blocks.", s.kv_usage),
+            ("brisk:kv_fragmentation_ratio", "Unfilled slots in used blocks / slots of used blocks.",
+             s.kv_internal_fragmentation),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("brisk:num_preemptions", "Requests preempted (KV pool full), recomputed later.", s.num_preemptions),
+            ("brisk:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries_tokens),
+            ("brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
+            ("brisk:engine_steps", "Engine steps run.", s.num_steps),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,422 @@
+"""The OpenAI-compatible HTTP API: routes, admission, the context guard, streaming.
+
+Routes turn a request into engine requests (one per choice), stream or collect the
+outputs, and always end: a client that leaves aborts its requests, a timeout or a
+shutdown ends them with an error event, and a dead engine ends every open stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from brisk.engine.errors import EngineDeadError
+from brisk.engine.outputs import RequestOutput
+from brisk.engine.sampling_params import ParamError, SamplingParams
+from brisk.metrics.prometheus import CONTENT_TYPE
+from brisk.server.context_guard import ContextLengthError, GuardResult, guard_chat, guard_prompt
+from brisk.server.errors import APIError, install_handlers
+from brisk.server.middleware import GuardMiddleware
+from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
+                                   TokenizeRequest, message_dicts)
+from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter, usage_block
+from brisk.server.state import RequestTimeoutError, ServerState, ShutdownError
+from brisk.tokenizer import ChatTemplateError
+
+log = logging.getLogger("brisk.server")
+
+_DISCONNECT_POLL_S = 0.2
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        state.start_loading()
+        yield
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="brisk", version=_version(), lifespan=lifespan)
+    app.state.brisk = state
+    install_handlers(app)
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.get("/health")
+    async def health():
+        if state.load_error is not None:
+            return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+        if state.engine is not None and not state.engine.is_alive:
+            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.engine is not None and state.engine.is_alive and not state.draining:
+            return {"status": "ready", "model": state.config.served_model_name,
+                    "load_s": round(state.ready_ts - state.started_ts, 3)}
+        if state.draining:
+            body = {"status": "draining"}
+        elif state.engine is not None:
+            body = {"status": "engine_dead"}
+        else:
+            body = state.loading_status()
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(state.config.retry_after_s)})
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = None
+        if state.engine is not None and state.engine.is_alive:
+            try:
+                stats = await state.engine.stats()
+            except EngineDeadError:
+                stats = None
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        card = {"id": state.config.served_model_name, "object": "model", "created": created, "owned_by": "brisk"}
+        if state.engine is not None:
+            card["max_model_len"] = state.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.require_engine()
+        _check_model(state, body.model)
+        tok = state.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = _encode_chat(tok, _messages(body.messages), body.add_generation_prompt)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.require_engine()
+        _check_model(state, body.model)
+        vocab = state.engine.engine.loaded.config.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens[{bad}]: token id {body.tokens[bad]} is outside the vocabulary [0, {vocab})",
+                           param=f"tokens[{bad}]")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        state.require_engine()
+        _check_model(state, body.model)
+        messages = _messages(body.messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        guard = _guard(state, lambda: guard_chat(
+            messages, lambda m: _encode_chat(state.tokenizer, m), max_tokens, state.max_model_len,
+            state.config.context_policy))
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body, guard.max_tokens, num_top)
+        fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs)
+        return await _respond(state, raw, body, fmt, [guard], params)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        state.require_engine()
+        _check_model(state, body.model)
+        prompts = _prompt_ids(state, body.prompt)
+        guards = [_guard(state, lambda ids=ids: guard_prompt(ids, body.max_tokens, state.max_model_len,
+                                                              state.config.context_policy)) for ids in prompts]
+        params = [_sampling_params(body, g.max_tokens, body.logprobs) for g in guards]
+        fmt = CompletionFormatter(_new_id("cmpl"), state, body.logprobs is not None, body.echo)
+        return await _respond(state, raw, body, fmt, guards, params)
+
+    return app
+
+
+# -- request preparation -----------------------------------------------------------
+def _messages(messages) -> list[dict[str, Any]]:
+    try:
+        return message_dicts(messages)
+    except ProtocolError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+
+def _encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    try:
+        return tok.encode_chat(messages, add_generation_prompt)
+    except ChatTemplateError as e:
+        raise APIError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.config.served_model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                            f"`{state.config.served_model_name}` (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+    """OpenAI's four prompt shapes -> a list of token-id prompts."""
+    tok = state.tokenizer
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt: is empty; give text or token ids", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], str):
+        return [tok.encode(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = prompt
+    vocab = state.engine.engine.loaded.config.vocab_size
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise APIError(400, f"prompt[{i}]: is empty", param="prompt", code="invalid_value")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
+                           code="invalid_value")
+    return [list(p) for p in prompts]
+
+
+def _guard(state: ServerState, run: Callable[[], GuardResult]) -> GuardResult:
+    try:
+        result = run()
+    except ContextLengthError as e:
+        state.metrics.context_guard.labels("rejected").inc()
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+    state.metrics.context_guard.labels(result.outcome).inc()
+    return result
+
+
+def _sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    top_k = body.top_k
+    if top_p == 0.0:  # OpenAI accepts top_p=0: keep only the most likely token
+        top_p, top_k = 1.0, 1
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p,
+            seed=body.seed, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs)
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- running and responding ----------------------------------------------------------
+async def _respond(state: ServerState, raw: Request, body, fmt: Formatter, guards: list[GuardResult],
+                   params: SamplingParams | list[SamplingParams]):
+    """Admit, start one engine request per (prompt, choice), then stream or collect."""
+    engine = state.require_engine()
+    jobs = []  # (choice index, prompt index, prompt ids, params)
+    for p_index, guard in enumerate(guards):
+        base = params[p_index] if isinstance(params, list) else params
+        for i in range(body.n):
+            seed = None if base.seed is None else base.seed + i  # n choices with one seed still differ
+            jobs.append((p_index * body.n + i, p_index, guard.prompt_ids,
+                         base if seed == base.seed else _replace_seed(base, seed)))
+    state.admit(len(jobs))
+    headers = {k: v for g in guards[:1] for k, v in g.headers().items()}
+    for g in guards:
+        state.metrics.prompt_tokens.inc(g.prompt_tokens)
+    run = _Run(state, engine, fmt, guards, jobs, body)
+    try:
+        await run.start()
+    except BaseException:
+        run.close()
+        raise
+    if body.stream:
+        return StreamingResponse(run.sse(), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        result = await _until_disconnect(raw, run.collect())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the engine requests are aborted
+    finally:
+        run.close()
+    return JSONResponse(result, headers={**headers, "server-timing": run.server_timing()})
+
+
+def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+async def _until_disconnect(raw: Request, coro):
+    """Await `coro`, cancelling it (which aborts its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await raw.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - cancelled on purpose
+                pass
+            raise ClientDisconnected()
+
+
+class _Run:
+    """The engine requests behind one HTTP request, merged into one ordered output stream."""
+
+    def __init__(self, state: ServerState, engine, fmt: Formatter, guards: list[GuardResult], jobs, body):
+        self.state, self.engine, self.fmt, self.guards, self.jobs, self.body = state, engine, fmt, guards, jobs, body
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.finals: dict[int, RequestOutput] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.closed = False
+        self.abort_cause = "client_disconnect"
+
+    async def start(self) -> None:
+        """Add every engine request (validation errors surface here, before any response)."""
+        streams = []
+        for index, _, ids, params in self.jobs:
+            try:
+                streams.append((index, await self.engine.add(ids, params, request_id=f"{self.fmt.id}-{index}",
+                                                             priority=self.body.priority)))
+            except Exception as e:
+                for _, stream in streams:
+                    stream.close()
+                if isinstance(e, EngineDeadError):
+                    raise APIError(503, f"engine unavailable: {e}", code="engine_dead") from None
+                if isinstance(e, ValueError):
+                    raise APIError(400, str(e), param=getattr(e, "field", None), code="invalid_value") from None
+                raise
+        for index, stream in streams:
+            self.tasks.append(asyncio.create_task(self._pump(index, stream)))
+        if self.state.config.request_timeout_s is not None:
+            self.timer = asyncio.get_running_loop().call_later(self.state.config.request_timeout_s, self._timeout)
+
+    def _timeout(self) -> None:
+        self.abort_cause = "timeout"
+        error = RequestTimeoutError(f"the request ran past the server's --request-timeout "
+                                    f"({self.state.config.request_timeout_s:g} s)")
+        for index, *_ in self.jobs:
+            self.engine.fail(f"{self.fmt.id}-{index}", error)
+
+    async def _pump(self, index: int, stream) -> None:
+        try:
+            async for out in stream:
+                self.queue.put_nowait((index, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put_nowait((index, e))
+        finally:
+            stream.close()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self.jobs)
+        while remaining:
+            index, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+                self._finished(index, item)
+            yield index, item
+
+    def _finished(self, index: int, out: RequestOutput) -> None:
+        self.finals[index] = out
+        self.state.metrics.generation_tokens.inc(len(out.token_ids))
+        self.state.metrics.observe_finished(out.finish_reason, out.metrics, len(out.token_ids))
+
+    async def collect(self) -> dict[str, Any]:
+        try:
+            async for index, out in self.outputs():
+                pass
+        except BaseException as e:
+            raise _as_api_error(e, self) from None
+        return self.fmt.full_response(self.finals, self.jobs, self.guards, self._usage())
+
+    async def sse(self) -> AsyncIterator[str]:
+        try:
+            for chunk in self.fmt.first_chunks(self.jobs, self.guards):
+                yield _sse(chunk)
+            async for index, out in self.outputs():
+                for chunk in self.fmt.chunks(index, out, self.body):
+                    yield _sse(chunk)
+            if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                yield _sse(self.fmt.usage_chunk(self._usage()))
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
+            yield _as_api_error(e, self).sse()
+            yield "data: [DONE]\n\n"
+        finally:
+            self.close()
+
+    def _usage(self) -> dict[str, Any]:
+        return usage_block(self.finals, self.guards, self.jobs)
+
+    def server_timing(self) -> str:
+        first = self.finals.get(0)
+        if first is None:
+            return ""
+        m = first.metrics
+        parts = [f"{name};dur={m[key]:.1f}" for name, key in
+                 (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("decode", "decode_ms"), ("ttft", "ttft_ms"))
+                 if m.get(key) is not None]
+        return ", ".join(parts)
+
+    def close(self) -> None:
+        """Idempotent: cancel pumps (their generators abort unfinished engine requests), free the slot."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+        unfinished = len(self.jobs) - len(self.finals)
+        for task in self.tasks:
+            task.cancel()
+        if unfinished:
+            self.state.metrics.aborts.labels(self.abort_cause).inc(unfinished)
+        self.state.release(len(self.jobs))
+
+
+def _as_api_error(e: BaseException, run: _Run) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestTimeoutError):
+        run.abort_cause = "timeout"
+        return APIError(504, str(e), code="timeout")
+    if isinstance(e, ShutdownError):
+        run.abort_cause = "shutdown"
+        return APIError(503, str(e), code="shutting_down")
+    if isinstance(e, EngineDeadError):
+        run.abort_cause = "engine_error"
+        return APIError(503, f"the engine stopped: {e}; restart the server", code="engine_dead")
+    log.exception("request failed", exc_info=e)
+    run.abort_cause = "error"
+    return APIError(500, "internal server error; the server log has the details")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _version() -> str:
+    from brisk import __version__
+
+    return __version__

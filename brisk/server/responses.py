@@ -1,0 +1,168 @@
+"""OpenAI response bodies and stream chunks for chat and text completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from brisk.engine.outputs import RequestOutput
+from brisk.server.context_guard import GuardResult
+
+_TIMING_KEYS = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")
+
+
+def usage_block(finals: dict[int, RequestOutput], guards: list[GuardResult], jobs) -> dict[str, Any]:
+    """OpenAI usage (prompt counted once per prompt, however many choices), cached prompt
+    tokens, and brisk's per-request phase timings (of the first choice)."""
+    prompt_tokens = sum(g.prompt_tokens for g in guards)
+    completion_tokens = sum(len(o.token_ids) for o in finals.values())
+    first_choice_of_prompt = {}
+    for index, p_index, *_ in jobs:
+        first_choice_of_prompt.setdefault(p_index, index)
+    cached = sum(finals[i].num_cached_prompt_tokens for i in first_choice_of_prompt.values() if i in finals)
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens,
+                             "prompt_tokens_details": {"cached_tokens": cached}}
+    first = finals.get(0)
+    if first is not None:
+        usage["brisk"] = {**{k: first.metrics.get(k) for k in _TIMING_KEYS}, "cached_prompt_tokens": cached,
+                          "num_preemptions": first.metrics.get("num_preemptions", 0)}
+    return usage
+
+
+def _delta_logprobs(out: RequestOutput) -> list[dict[str, Any]]:
+    if not out.logprobs:
+        return []
+    end = len(out.token_ids)
+    return out.logprobs[end - len(out.delta_token_ids):end]
+
+
+class Formatter:
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, response_id: str, state, want_logprobs: bool):
+        self.id = response_id
+        self.created = int(time.time())
+        self.model = state.config.served_model_name
+        self.tokenizer = state.tokenizer
+        self.want_logprobs = want_logprobs
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def _token_text(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, [], usage=usage)
+
+    def first_chunks(self, jobs, guards: list[GuardResult]) -> list[dict[str, Any]]:
+        return []
+
+    def chunks(self, index: int, out: RequestOutput, body) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def full_response(self, finals, jobs, guards, usage) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _usage_field(body) -> dict[str, Any]:
+        include = body.stream_options is not None and body.stream_options.include_usage
+        return {"usage": None} if include else {}
+
+
+class ChatFormatter(Formatter):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for e in entries:
+            token, raw = self._token_text(e["token_id"])
+            top = []
+            for tid, lp in e["top"]:
+                t, b = self._token_text(tid)
+                top.append({"token": t, "logprob": lp, "bytes": b})
+            content.append({"token": token, "logprob": e["logprob"], "bytes": raw, "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+    def first_chunks(self, jobs, guards):
+        chunks = []
+        for index, p_index, *_ in jobs:
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}
+            chunks.append(self._envelope(self.object_chunk, [choice], brisk=guards[p_index].report()))
+        return chunks
+
+    def chunks(self, index, out, body):
+        if not out.delta_text and not out.finished and not (self.want_logprobs and out.delta_token_ids):
+            return []
+        delta = {"content": out.delta_text} if out.delta_text else {}
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(_delta_logprobs(out)),
+                  "finish_reason": out.finish_reason if out.finished else None}
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        return [self._envelope(self.object_chunk, [choice], **self._usage_field(body))]
+
+    def full_response(self, finals, jobs, guards, usage):
+        choices = []
+        for index, *_ in jobs:
+            out = finals[index]
+            choices.append({"index": index, "message": {"role": "assistant", "content": out.text, "refusal": None},
+                            "logprobs": self._logprobs(out.logprobs or []), "finish_reason": out.finish_reason,
+                            "stop_reason": out.stop_reason})
+        return self._envelope(self.object_full, choices, usage=usage, system_fingerprint=None,
+                              brisk=guards[0].report())
+
+
+class CompletionFormatter(Formatter):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, response_id: str, state, want_logprobs: bool, echo: bool):
+        super().__init__(response_id, state, want_logprobs)
+        self.echo = echo
+
+    def _logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for e in entries:
+            token, _ = self._token_text(e["token_id"])
+            tokens.append(token)
+            token_logprobs.append(e["logprob"])
+            tops.append({self._token_text(tid)[0]: lp for tid, lp in e["top"]})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echo_text(self, out: RequestOutput) -> str:
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) if self.echo else ""
+
+    def chunks(self, index, out, body):
+        first = len(out.token_ids) == len(out.delta_token_ids)
+        text = (self._echo_text(out) if first else "") + out.delta_text
+        if not text and not out.finished and not (self.want_logprobs and out.delta_token_ids):
+            return []
+        offset = len(out.text) - len(out.delta_text)
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(_delta_logprobs(out), offset),
+                  "finish_reason": out.finish_reason if out.finished else None}
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        return [self._envelope(self.object_chunk, [choice], **self._usage_field(body))]
+
+    def full_response(self, finals, jobs, guards, usage):
+        choices = []
+        for index, *_ in jobs:
+            out = finals[index]
+            echo = self._echo_text(out)
+            choices.append({"index": index, "text": echo + out.text,
+                            "logprobs": self._logprobs(out.logprobs or [], len(echo)),
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+        return self._envelope(self.object_full, choices, usage=usage, system_fingerprint=None,
+                              brisk=[g.report() for g in guards] if len(guards) > 1 else guards[0].report())

@@ -1,0 +1,94 @@
+"""`brisk serve`: open the socket at once, load the model in the background, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import uvicorn
+
+from brisk.errors import BriskError
+from brisk.loading.report import LoadReport
+from brisk.server.app import create_app
+from brisk.server.context_guard import ContextPolicy
+from brisk.server.state import ServerConfig, ServerState
+
+log = logging.getLogger("brisk.server")
+
+
+class BriskServer(uvicorn.Server):
+    """uvicorn, plus: the first SIGTERM/SIGINT starts brisk's drain (new requests get 503,
+    running ones get --shutdown-timeout to finish, then an error)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+
+    def handle_exit(self, sig, frame) -> None:
+        loop = self.state.loop
+        if loop is not None and not self.state.draining:
+            loop.call_soon_threadsafe(self.state.begin_drain, loop)
+        super().handle_exit(sig, frame)
+
+    def fail(self, message: str) -> None:
+        """The model could not load: say so once and exit (a supervisor restarts or alerts)."""
+        print(f"brisk: error: {message}", file=sys.stderr)
+        self.exit_code = 2
+        self.should_exit = True
+
+
+def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
+    import os
+
+    try:
+        return ServerConfig(
+            served_model_name=args.served_model_name or served_name,
+            context_policy=ContextPolicy(args.context_policy),
+            max_queued_requests=args.max_queued_requests,
+            request_timeout_s=args.request_timeout,
+            shutdown_timeout_s=args.shutdown_timeout,
+            api_key=args.api_key or os.environ.get("BRISK_API_KEY") or None,
+            max_request_bytes=args.max_request_bytes,
+        )
+    except ValueError as e:
+        raise BriskError(str(e)) from None
+
+
+def serve(args: argparse.Namespace, build_engine) -> int:
+    from brisk.models.registry import CATALOG, resolve
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    source = resolve(args.model)  # a bad model path fails now, in one line, before the socket opens
+    served = source.name if source.name in CATALOG else source.path.stem
+    config = server_config(args, served)
+
+    def factory(report: LoadReport):
+        with report.phase("imports"):
+            from brisk.engine.async_engine import AsyncLLMEngine
+            from brisk.loading.loader import load
+        loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                      report=report)
+        with report.phase("engine"):
+            engine = AsyncLLMEngine(build_engine(args, loaded))
+        for line in report.lines():
+            log.info("%s", line)
+        log.info("ready: http://%s:%d/v1 serves %s", args.host, args.port, config.served_model_name)
+        return engine
+
+    state = ServerState(config, factory)
+    app = create_app(state)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                               timeout_graceful_shutdown=config.shutdown_timeout_s + 5, lifespan="on")
+    server = BriskServer(uv_config, state)
+    state.on_load_failed = server.fail
+    log.info("listening on http://%s:%d (model loading; GET /ready)", args.host, args.port)
+    try:
+        asyncio.run(server.serve())
+    except OSError as e:  # port in use, no permission
+        raise BriskError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    if not server.started and server.exit_code == 0:
+        raise BriskError(f"cannot listen on {args.host}:{args.port} (is another server using the port?)")
+    return server.exit_code

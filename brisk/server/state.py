@@ -1,0 +1,172 @@
+"""What the server knows about itself: its settings, the load state (the HTTP socket is
+open before the model is ready), the engine once loaded, admission (the bounded queue)
+and draining on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from brisk.loading.report import LoadReport
+from brisk.metrics.prometheus import ServerMetrics
+from brisk.server.context_guard import ContextPolicy
+from brisk.server.errors import APIError
+
+if TYPE_CHECKING:
+    from brisk.engine.async_engine import AsyncLLMEngine
+
+log = logging.getLogger("brisk.server")
+
+# The phases of a load, in order, for the readiness progress figure.
+LOAD_PHASES = ("imports", "resolve", "gguf_read", "dequantize_write", "config", "open_mmap", "module_build",
+               "tokenizer", "first_forward", "engine")
+
+
+class ShutdownError(RuntimeError):
+    """The server shut down before the request finished (after --shutdown-timeout)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past --request-timeout."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str = "smollm2-135m-instruct"
+    context_policy: ContextPolicy = ContextPolicy.REJECT
+    max_queued_requests: int = 256
+    request_timeout_s: float | None = None
+    shutdown_timeout_s: float = 30.0
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 2**20
+    retry_after_s: int = 2
+
+    def __post_init__(self):
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+
+
+EngineFactory = Callable[[LoadReport], "AsyncLLMEngine"]
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, engine_factory: EngineFactory | None = None,
+                 engine: AsyncLLMEngine | None = None):
+        self.config = config
+        self.metrics = ServerMetrics(config.served_model_name)
+        self.report = LoadReport()
+        self.engine: AsyncLLMEngine | None = None
+        self.load_error: str | None = None
+        self.started_ts = time.monotonic()
+        self.ready_ts: float | None = None
+        self.draining = False
+        self.num_active = 0  # engine requests admitted and not yet finished
+        self._factory = engine_factory
+        self.on_load_failed: Callable[[str], None] | None = None  # set by `brisk serve`: exit
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, set at startup
+        if engine is not None:
+            self._set_ready(engine)
+
+    # -- loading ----------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Load in a thread, so the socket answers /ready (503, with the phase) meanwhile."""
+        if self.engine is not None or self._factory is None:
+            return
+        threading.Thread(target=self._load, name="brisk-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            engine = self._factory(self.report)
+        except Exception as e:  # noqa: BLE001 - reported on /ready and /health, then the server exits
+            self.load_error = str(e) or repr(e)
+            self.metrics.set_load_state("failed")
+            log.error("model load failed: %s", self.load_error)
+            if self.on_load_failed is not None:
+                self.on_load_failed(self.load_error)
+            return
+        self._set_ready(engine)
+
+    def _set_ready(self, engine: AsyncLLMEngine) -> None:
+        loaded = engine.engine.loaded
+        report = loaded.report if loaded.report.phases_ms else self.report
+        self.metrics.observe_load(report.phases_ms, report.total_ms)
+        self.metrics.build_info.labels(_version(), self.config.served_model_name, str(loaded.dtype).split(".")[-1],
+                                       str(loaded.device)).set(1)
+        self.engine = engine
+        self.ready_ts = time.monotonic()
+        self.metrics.set_load_state("ready")
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.scheduler_config.max_model_len
+
+    def loading_status(self) -> dict:
+        if self.load_error is not None:
+            return {"status": "failed", "error": self.load_error}
+        phase = self.report.current_phase or "starting"
+        done = sum(1 for p in LOAD_PHASES if p in self.report.phases_ms and p != self.report.current_phase)
+        return {"status": "loading", "phase": phase, "progress": round(done / len(LOAD_PHASES), 2),
+                "elapsed_s": round(time.monotonic() - self.started_ts, 2)}
+
+    # -- admission ----------------------------------------------------------------
+    def require_engine(self) -> AsyncLLMEngine:
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down",
+                           headers=retry)
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+            status = self.loading_status()
+            raise APIError(503, f"the model is still loading (phase {status['phase']}, "
+                                f"{status['progress']:.0%} done); retry after {self.config.retry_after_s} s",
+                           code="model_loading", headers=retry)
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine stopped after an internal error; restart the server",
+                           code="engine_dead")
+        return self.engine
+
+    def admit(self, n: int) -> None:
+        """Bounded queue: up to max_num_seqs running plus --max-queued-requests waiting."""
+        capacity = self.engine.engine.scheduler_config.max_num_seqs + self.config.max_queued_requests
+        if self.num_active + n > capacity:
+            raise APIError(429, f"server overloaded: {self.num_active} requests in flight, capacity {capacity} "
+                                f"(max-num-seqs + max-queued-requests); retry after {self.config.retry_after_s} s",
+                           code="overloaded", headers={"Retry-After": str(self.config.retry_after_s)})
+        self.num_active += n
+
+    def release(self, n: int) -> None:
+        self.num_active -= n
+
+    # -- shutdown -----------------------------------------------------------------
+    def begin_drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop admitting; after --shutdown-timeout, end whatever still runs with an error."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining: %d requests in flight, up to %.0f s", self.num_active, self.config.shutdown_timeout_s)
+        if self.engine is not None:
+            engine = self.engine
+            loop.call_later(self.config.shutdown_timeout_s, engine.fail_all,
+                            ShutdownError(f"the server shut down (after the {self.config.shutdown_timeout_s:g} s "
+                                          "drain timeout) before this request finished"))
+
+
+def _version() -> str:
+    from brisk import __version__
+
+    return __version__

@@ -1,0 +1,179 @@
+"""e2e: a real uvicorn server on loopback, driven by the official `openai` SDK."""
+
+import pytest
+
+from brisk.engine.sampling_params import SamplingParams
+
+from live_server import serve_engine
+from test_engine_batching import make_engine
+
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers in Europe."}]
+
+
+@pytest.fixture(scope="module")
+def server(demo):
+    with serve_engine(make_engine(demo)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+def offline(demo, ids, **params):
+    engine = make_engine(demo)
+    engine.add_request(ids, SamplingParams(**params))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    return final
+
+
+def test_chat_greedy_equals_offline_engine(demo, client):
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    ref = offline(demo, demo.tokenizer.encode_chat(CHAT), max_tokens=24, temperature=0)
+    choice = resp.choices[0]
+    assert choice.message.content == ref.text and choice.message.role == "assistant"
+    assert choice.finish_reason == ref.finish_reason
+    assert resp.object == "chat.completion" and resp.model == MODEL and resp.id.startswith("chatcmpl-")
+    assert resp.usage.prompt_tokens == len(demo.tokenizer.encode_chat(CHAT))
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_stream_matches_non_stream_and_reports_usage(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_completions_stream_and_non_stream_agree(demo, client):
+    prompt = "The three primary colours are"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ref = offline(demo, demo.tokenizer.encode(prompt), max_tokens=12, temperature=0)
+    assert full.choices[0].text == ref.text and full.object == "text_completion"
+    stream = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in stream) == ref.text
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_completions_batch_of_prompts_and_token_ids(demo, client):
+    prompts = ["Once upon a time", "def fibonacci(n):"]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    by_ids = client.completions.create(model=MODEL, prompt=demo.tokenizer.encode(prompts[1]), max_tokens=6,
+                                       temperature=0)
+    assert by_ids.choices[0].text == resp.choices[1].text
+    assert resp.usage.prompt_tokens == sum(len(demo.tokenizer.encode(p)) for p in prompts)
+
+
+def test_stop_strings_never_reach_the_client(client):
+    base = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0)
+    text = base.choices[0].message.content
+    stop = text[10:14]
+    assert len(stop.strip()) > 0
+    cut = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == text[:text.index(stop)] and stop not in streamed
+
+
+def test_seed_reproduces_and_n_choices_differ(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=16, temperature=1.0, top_p=0.95)
+    a = client.chat.completions.create(seed=1234, **kwargs)
+    b = client.chat.completions.create(seed=1234, **kwargs)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    many = client.chat.completions.create(seed=1234, n=3, **kwargs)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.choices[0].message.content == a.choices[0].message.content
+    assert len({c.message.content for c in many.choices}) > 1
+    assert many.usage.completion_tokens == 3 * 16 or any(c.finish_reason == "stop" for c in many.choices)
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the top token
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-5
+    text = resp.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace").startswith(text)
+
+
+def test_completion_logprobs_and_echo(client):
+    resp = client.completions.create(model=MODEL, prompt="Hello,", max_tokens=4, temperature=0, logprobs=2,
+                                     echo=True)
+    choice = resp.choices[0]
+    assert choice.text.startswith("Hello,")
+    assert len(choice.logprobs.tokens) == 4 and all(len(t) <= 2 for t in choice.logprobs.top_logprobs)
+
+
+def test_models_tokenize_detokenize(demo, server):
+    with server.client() as http:
+        models = http.get("/v1/models").json()
+        assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 1024
+        tok = http.post("/tokenize", json={"messages": CHAT}).json()
+        assert tok["tokens"] == demo.tokenizer.encode_chat(CHAT) and tok["count"] == len(tok["tokens"])
+        assert tok["max_model_len"] == 1024
+        plain = http.post("/tokenize", json={"prompt": "你好，世界"}).json()
+        assert plain["count"] == len(demo.tokenizer.encode("你好，世界"))
+        back = http.post("/detokenize", json={"tokens": plain["tokens"]}).json()
+        assert back["prompt"] == "你好，世界"
+
+
+def test_usage_carries_phase_timings_and_server_timing_header(server):
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4})
+    body = r.json()
+    timings = body["usage"]["brisk"]
+    assert timings["ttft_ms"] > 0 and timings["e2e_ms"] >= timings["ttft_ms"]
+    assert abs(timings["queue_ms"] + timings["prefill_ms"] - timings["ttft_ms"]) < 0.01
+    assert "ttft;dur=" in r.headers["server-timing"]
+    assert body["brisk"]["context_outcome"] == "ok" and r.headers["x-brisk-context-outcome"] == "ok"
+
+
+def test_unknown_fields_are_ignored(server):
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "some_future_field": 1,
+                                                     "parallel_tool_calls": False})
+    assert r.status_code == 200
+
+
+def test_health_and_ready(server):
+    with server.client() as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        ready = http.get("/ready")
+        assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+def test_openai_sdk_sees_errors_as_exceptions(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-9", messages=CHAT)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=3)
+    assert err.value.body["param"] == "temperature"
+
+
+def test_http_errors_are_openai_shaped(server):
+    with server.client() as http:
+        r = http.get("/v1/nothing")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
