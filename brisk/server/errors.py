@@ -51,6 +51,19 @@ def _loc_to_param(loc: tuple) -> str | None:
     return out or None
 
 
+def _is_union_tag(part) -> bool:
+    """pydantic names the union member an error came from ('str', 'list[int]', 'TextPart')."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part
+                                      or part[:1].isupper())
+
+
+def _common_loc(errors: list[dict]) -> tuple:
+    """The field all of a union's branch errors point at (the first error's field)."""
+    first = tuple(errors[0].get("loc", ()))
+    tag_at = next((i for i, p in enumerate(first) if _is_union_tag(p)), len(first))
+    return first[:tag_at]
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -58,16 +71,22 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "We could not parse the JSON body of your request: "
                         f"{first.get('ctx', {}).get('error', 'malformed JSON')}. Send valid JSON.",
                         code="invalid_json")
-    param = _loc_to_param(tuple(first.get("loc", ())))
+    loc = _common_loc(errors) if errors else ()
+    param = _loc_to_param(loc)
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:len(loc)] == loc]
+    got = first.get("input")
+    shown = (repr(got) if not isinstance(got, (dict, list)) else type(got).__name__)[:80]
     if first.get("type") == "missing":
         message = f"{param}: is required"
-    elif first.get("type") == "model_attributes_type":
+    elif first.get("type") == "model_attributes_type" and param is None:
         message = "the request body must be a JSON object"
+    elif len(same_field) > 1 and len(loc) < len(tuple(first.get("loc", ()))):  # a union: no branch matched
+        branches = sorted({str(e["loc"][len(loc)]) for e in same_field if len(e["loc"]) > len(loc)})
+        message = f"{param}: invalid value (got {shown}); expected one of: {', '.join(branches)}"
     else:
-        got = first.get("input")
-        shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
-        message = f"{param}: {first.get('msg', 'invalid value')} (got {shown[:80]})"
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+        message = f"{param}: {first.get('msg', 'invalid value')} (got {shown})"
+    others = len(errors) - len(same_field)
+    more = f" (and {others} more problem{'s' if others > 1 else ''})" if others > 0 else ""
     return APIError(400, message + more, param=param, code="invalid_value")
 
 
