@@ -1,10 +1,11 @@
-# make serve: set up .venv, fetch the demo model, run brisk's main job.
+# make serve: set up .venv, fetch the demo model, start the server on 127.0.0.1:8000.
 # make test:  same set-up, then the whole test suite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.brisk-installed
-SAMPLE_PROMPT ?= "In two sentences, why does an LLM server's first request take longer than the rest?"
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: setup serve test clean
 
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 serve: setup
-	$(VENV)/bin/brisk generate --chat --verbose --max-tokens 96 $(SAMPLE_PROMPT)
+	$(VENV)/bin/brisk serve --host $(HOST) --port $(PORT)
 
 test: setup
 	$(PY) -m pytest -q

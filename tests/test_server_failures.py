@@ -301,3 +301,13 @@ def test_small_kv_pool_engine_is_usable_through_server(demo):
         assert len({r.json()["choices"][0]["message"]["content"] for r in responses}) == 1
         with live.client() as http:
             assert metric(http.get("/metrics").text, "brisk:num_preemptions_total") >= 1
+
+
+def test_extreme_valid_sampling_settings_do_not_kill_the_engine(server):
+    """Found by the fuzzer: a repetition penalty near 0 made logits inf and softmax NaN."""
+    with server.client() as http:
+        for extra in ({"repetition_penalty": 1e-300}, {"temperature": 2e-5}, {"frequency_penalty": -2,
+                                                                               "presence_penalty": -2}):
+            r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
+            assert r.status_code == 200, (extra, r.text)
+        assert http.get("/health").status_code == 200

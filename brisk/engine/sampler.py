@@ -75,7 +75,11 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
 
 def _filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:
     p = request.params
-    logits = row / p.temperature
+    # NOTE: extreme but valid settings (a repetition penalty near 0, a temperature near the greedy
+    # cut-off) can push logits to +-inf; keep them finite so softmax never yields NaN.
+    logits = torch.nan_to_num(row / p.temperature, nan=float("-inf"))
+    big = torch.finfo(logits.dtype).max / 4
+    logits = logits.clamp(-big, big)
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

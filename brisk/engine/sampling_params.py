@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Below this temperature, sampling is greedy: dividing logits by ~0 overflows to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class ParamError(ValueError):
@@ -60,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

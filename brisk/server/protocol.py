@@ -22,7 +22,7 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: StrictStr
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -31,7 +32,12 @@ class BriskServer(uvicorn.Server):
         loop = self.state.loop
         if loop is not None and not self.state.draining:
             loop.call_soon_threadsafe(self.state.begin_drain, loop)
-        super().handle_exit(sig, frame)
+        # NOTE: not super(): uvicorn re-raises captured signals after shutdown, which would turn
+        # a complete, clean drain into a death-by-signal exit status.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        else:
+            self.should_exit = True
 
     def fail(self, message: str) -> None:
         """The model could not load: say so once and exit (a supervisor restarts or alerts)."""

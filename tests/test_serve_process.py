@@ -1,0 +1,88 @@
+"""`brisk serve` as a real process: the socket opens before the model is ready, and
+SIGTERM drains (short requests finish, long ones end with an error event, the process exits)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+CHAT = [{"role": "user", "content": "Tell me a long story about the sea."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def serve_process(demo):  # `demo` has filled the conversion cache this process's env points at
+    port = free_port()
+    cmd = [sys.executable, "-m", "brisk", "serve", "--port", str(port), "--shutdown-timeout", "3",
+           "--max-model-len", "2048", "--kv-cache-memory", "256MiB"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+def wait_for(url: str, path: str, want, timeout_s: float = 60.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + path, timeout=5)
+            if want(r):
+                return r
+        except httpx.TransportError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never satisfied the condition within {timeout_s} s")
+
+
+def test_socket_answers_before_ready_then_sigterm_drains(serve_process):
+    proc, url = serve_process
+    first = wait_for(url, "/ready", lambda r: True)  # the first answer the socket gives
+    ready = wait_for(url, "/ready", lambda r: r.status_code == 200)
+    assert first.status_code in (200, 503)
+    if first.status_code == 503:
+        assert first.json()["status"] == "loading" and "phase" in first.json()
+    assert ready.json()["model"] == "smollm2-135m-instruct"
+
+    results: dict[str, list] = {}
+
+    def stream(name: str, max_tokens: int):
+        body = {"messages": CHAT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            results[name] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=stream, args=("short", 24)), threading.Thread(target=stream, args=("long", 1900))]
+    for t in threads:
+        t.start()
+    wait_for(url, "/metrics", lambda r: "brisk:num_requests_running 2.0" in r.text, timeout_s=30)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a stream hung through shutdown"
+    assert proc.wait(timeout=60) == 0
+    short, long_ = results["short"], results["long"]
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+    assert long_[-1] == "[DONE]"
+    error = json.loads(long_[-2])["error"]
+    assert error["code"] == "shutting_down" and "3 s" in error["message"]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)
+
+
+def test_bad_model_fails_fast_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "brisk", "serve", str(tmp_path / "nope.gguf"), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "not found" in proc.stderr and "Traceback" not in proc.stderr
