@@ -89,6 +89,18 @@ def test_prefix_sharing_saves_blocks_and_keeps_outputs(demo):
     assert plain.stats().prefix_cache_hits_tokens == 0
 
 
+def test_burst_shares_a_prefix_computed_in_the_same_step(demo):
+    """All requests arrive together: the later ones attend to K/V the first one writes in
+    that same forward; outputs must equal a run with no sharing at all."""
+    system = "You are a meticulous assistant. " * 12
+    prompts = [demo.tokenizer.encode_chat([{"role": "system", "content": system},
+                                           {"role": "user", "content": f"Say the number {i}."}]) for i in range(6)]
+    shared, plain = make_engine(demo, prefix=True, max_num_batched_tokens=2048), make_engine(demo, prefix=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert run(shared, prompts, params) == run(plain, prompts, params)
+    assert shared.stats().prefix_cache_hits_tokens >= 5 * (len(prompts[0]) // 16 - 1) * 16
+
+
 def test_seeded_sampling_is_independent_of_batch(demo, prompts64):
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = run(make_engine(demo), prompts64[:1], params)

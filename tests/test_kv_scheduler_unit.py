@@ -154,6 +154,20 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     assert sched.requests["r3"].status == RequestStatus.PREEMPTED and sched.requests["r3"].num_computed_tokens == 0
 
 
+def test_requests_admitted_in_one_step_share_a_prefix_computed_in_that_step():
+    kv = KVCacheManager(16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    shared = list(range(100, 109))  # two full blocks of 4, then one token
+    sched.add_request(Request("a", shared + [1, 2], SamplingParams(max_tokens=2)))
+    sched.add_request(Request("b", shared + [3], SamplingParams(max_tokens=2)))
+    out = sched.schedule()
+    # b reuses a's first two blocks although a computes them in this very step
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 11), ("b", 2)]
+    assert kv.block_ids("a")[:2] == kv.block_ids("b")[:2]
+    assert sched.requests["b"].num_cached_prompt_tokens == 8
+    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("a")[:2]] == [2, 2]
+
+
 def test_priority_then_fcfs():
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), KVCacheManager(16, 4))
     sched.add_request(_request("r1", 2, priority=1))

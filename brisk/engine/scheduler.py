@@ -124,9 +124,18 @@ class Scheduler:
                     num_new = 0
                     break
             if num_new:
-                out.chunks.append(ScheduledChunk(request, num_new, self.kv.block_ids(request.request_id)))
+                self._schedule_chunk(request, num_new, out)
                 budget -= num_new
         return budget
+
+    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.chunks.append(ScheduledChunk(request, num_new, self.kv.block_ids(request.request_id)))
+        # NOTE: blocks this chunk fills are registered now, not after the forward: a request
+        # admitted later in this same step may share them, because every layer writes the
+        # step's K/V before any sequence attends. A burst of requests with one system prompt
+        # then computes it once. (A request registered this step is never preempted in it:
+        # preemption only takes the newest running request not yet scheduled.)
+        self.kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -141,7 +150,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = prefix.num_tokens
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, num_new, self.kv.block_ids(request.request_id)))
+            self._schedule_chunk(request, num_new, out)
             budget -= num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -165,7 +174,6 @@ class Scheduler:
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(request, request.num_computed_tokens)
             if request.num_computed_tokens == request.num_tokens:
                 sampled.append(request)
         return sampled

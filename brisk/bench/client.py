@@ -1,0 +1,135 @@
+"""A streaming OpenAI-API load client: one RequestRecord per request, timestamps taken
+as chunks arrive, token counts from the server's `usage` (stream_options.include_usage).
+It also watches its own event loop, so a client-bound run is reported as such."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from brisk.bench.metrics import RequestRecord
+
+
+@dataclass
+class BenchRequest:
+    messages: list[dict[str, Any]] | None = None  # chat; else `prompt` on /v1/completions
+    prompt: str | list[int] | None = None
+    max_tokens: int = 64
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. {"ignore_eos": True}
+
+
+async def send_streaming(http: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestRecord:
+    chat = req.messages is not None
+    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, **req.extra}
+    body["messages" if chat else "prompt"] = req.messages if chat else req.prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    record = RequestRecord(sent_ts=time.perf_counter())
+    try:
+        async with http.stream("POST", path, json=body) as resp:
+            record.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                record.error = f"HTTP {resp.status_code}: {_error_message(resp.text)}"
+                return record
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                _consume_chunk(record, json.loads(data), chat)
+                if record.error:
+                    return record
+        record.end_ts = record.chunk_ts[-1] if record.chunk_ts else time.perf_counter()
+        if record.output_tokens is None:  # no usage from this server: count content chunks
+            record.output_tokens = len(record.chunk_ts)
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        record.error = f"{type(e).__name__}: {e}"[:200]
+    return record
+
+
+def _consume_chunk(record: RequestRecord, chunk: dict[str, Any], chat: bool) -> None:
+    now = time.perf_counter()
+    if "error" in chunk:
+        record.error = f"stream error: {_error_message(json.dumps(chunk))}"
+        return
+    for choice in chunk.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if text:
+            record.chunk_ts.append(now)
+            break
+    usage = chunk.get("usage")
+    if usage:
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.output_tokens = usage.get("completion_tokens")
+        record.server_timings = usage.get("brisk")
+
+
+def _error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"][:200]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
+class LoopLagMonitor:
+    """Measures how late the client's own event loop wakes up; large lag = the client is the bottleneck."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self.interval_s = interval_s
+        self.lags_s: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.lags_s.append(max(0.0, time.perf_counter() - start - self.interval_s))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    @property
+    def p99_ms(self) -> float:
+        if not self.lags_s:
+            return 0.0
+        ordered = sorted(self.lags_s)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
+
+
+async def run_concurrency(base_url: str, model: str, requests: list[BenchRequest], concurrency: int,
+                          api_key: str | None = None, timeout_s: float = 600.0,
+                          monitor: LoopLagMonitor | None = None) -> list[RequestRecord]:
+    """Keep `concurrency` requests in flight until all are done; records in request order."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    records: list[RequestRecord | None] = [None] * len(requests)
+    next_index = 0
+
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(timeout_s, connect=30)) as http:
+        async def worker():
+            nonlocal next_index
+            while next_index < len(requests):
+                i = next_index
+                next_index += 1
+                records[i] = await send_streaming(http, model, requests[i])
+
+        if monitor is not None:
+            monitor.start()
+        try:
+            await asyncio.gather(*[worker() for _ in range(min(concurrency, len(requests)))])
+        finally:
+            if monitor is not None:
+                monitor.stop()
+    return [r for r in records if r is not None]
