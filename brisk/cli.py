@@ -86,7 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(or set BRISK_API_KEY)")
     srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (default 16 MiB)")
     srv.add_argument("--seed", type=int, default=None, help="seed of the sampler for unseeded requests")
+    srv.add_argument("--otlp-endpoint", default=None,
+                     help="export OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318")
     srv.set_defaults(func=cmd_serve)
+
+    top = sub.add_parser("top", help="live terminal view of a running brisk server's /metrics")
+    top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes (default 2)")
+    top.add_argument("--once", action="store_true", help="print one view (two scrapes) and exit")
+    top.set_defaults(func=lambda args: __import__("brisk.top", fromlist=["run_top"]).run_top(
+        args.url, args.interval, args.once))
     return parser
 
 

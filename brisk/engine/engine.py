@@ -181,7 +181,11 @@ class LLMEngine:
     def _metrics(request: Request) -> dict:
         metrics = {**request.times.phases_ms(), "num_preemptions": request.num_preemptions}
         if request.status.finished:
-            metrics["itl_ms"] = [round(gap, 3) for gap in request.times.itl_ms()]
+            t = request.times
+            metrics["itl_ms"] = [round(gap, 3) for gap in t.itl_ms()]
+            # monotonic seconds, for tracing spans placed on the engine's own clock
+            metrics["timestamps"] = {"arrival": t.arrival_ts, "first_scheduled": t.first_scheduled_ts,
+                                     "first_token": t.first_token_ts, "finished": t.finished_ts}
         return metrics
 
     def stats(self) -> EngineStats:

@@ -52,6 +52,13 @@ class ServerMetrics:
         self.load_seconds = Gauge("brisk:model_load_duration_seconds", "Total model load time.", registry=r)
         self.build_info = Gauge("brisk:build_info", "Version, model, dtype and device (value 1).",
                                 ["version", "model", "dtype", "device"], registry=r)
+        # Known label values start at 0, so rate() and absent-series alerts work from the first scrape.
+        for reason in ("stop", "length"):
+            self.requests.labels(reason)
+        for outcome in ("ok", "truncated", "clamped", "rejected"):
+            self.context_guard.labels(outcome)
+        for cause in ("client_disconnect", "timeout", "shutdown", "engine_error", "error"):
+            self.aborts.labels(cause)
         self._engine = _EngineCollector()
         r.register(self._engine)
         self.set_load_state("loading")
@@ -96,7 +103,7 @@ class _EngineCollector:
         gauges = [
             ("brisk:num_requests_running", "Requests in the running batch.", s.num_running),
             ("brisk:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).", s.num_waiting),
-            ("brisk:kv_blocks_total", "KV-cache blocks in the pool.", s.kv_blocks_total),
+            ("brisk:kv_num_blocks", "KV-cache blocks in the pool.", s.kv_blocks_total),
             ("brisk:kv_blocks_used", "KV blocks held by requests.", s.kv_blocks_used),
             ("brisk:kv_blocks_cached", "Free KV blocks still holding a reusable prefix.", s.kv_blocks_cached_free),
             ("brisk:kv_usage_ratio", "Used / total KV blocks.", s.kv_usage),

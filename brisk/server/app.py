@@ -48,6 +48,8 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
+        if state.tracer is not None:
+            await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
 
     app = FastAPI(title="brisk", version=_version(), lifespan=lifespan)
     app.state.brisk = state
@@ -235,14 +237,14 @@ async def _respond(state: ServerState, raw: Request, body, fmt: Formatter, guard
                          base if seed == base.seed else _replace_seed(base, seed)))
     state.admit(len(jobs))
     headers = {k: v for g in guards[:1] for k, v in g.headers().items()}
-    for g in guards:
-        state.metrics.prompt_tokens.inc(g.prompt_tokens)
-    run = _Run(state, engine, fmt, guards, jobs, body)
+    run = _Run(state, engine, fmt, guards, jobs, body, raw)
     try:
         await run.start()
     except BaseException:
         run.close()
         raise
+    for g in guards:
+        state.metrics.prompt_tokens.inc(g.prompt_tokens)
     if body.stream:
         return StreamingResponse(run.sse(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -280,8 +282,11 @@ async def _until_disconnect(raw: Request, coro):
 class _Run:
     """The engine requests behind one HTTP request, merged into one ordered output stream."""
 
-    def __init__(self, state: ServerState, engine, fmt: Formatter, guards: list[GuardResult], jobs, body):
+    def __init__(self, state: ServerState, engine, fmt: Formatter, guards: list[GuardResult], jobs, body,
+                 raw: Request):
         self.state, self.engine, self.fmt, self.guards, self.jobs, self.body = state, engine, fmt, guards, jobs, body
+        self.raw = raw
+        self.started = False
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.finals: dict[int, RequestOutput] = {}
@@ -306,6 +311,7 @@ class _Run:
                 raise
         for index, stream in streams:
             self.tasks.append(asyncio.create_task(self._pump(index, stream)))
+        self.started = True
         if self.state.config.request_timeout_s is not None:
             self.timer = asyncio.get_running_loop().call_later(self.state.config.request_timeout_s, self._timeout)
 
@@ -331,6 +337,7 @@ class _Run:
             index, item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
+            self.state.metrics.generation_tokens.inc(len(item.delta_token_ids))
             if item.finished:
                 remaining -= 1
                 self._finished(index, item)
@@ -338,7 +345,6 @@ class _Run:
 
     def _finished(self, index: int, out: RequestOutput) -> None:
         self.finals[index] = out
-        self.state.metrics.generation_tokens.inc(len(out.token_ids))
         self.state.metrics.observe_finished(out.finish_reason, out.metrics, len(out.token_ids))
 
     async def collect(self) -> dict[str, Any]:
@@ -390,9 +396,34 @@ class _Run:
         unfinished = len(self.jobs) - len(self.finals)
         for task in self.tasks:
             task.cancel()
-        if unfinished:
+        if unfinished and self.started:
             self.state.metrics.aborts.labels(self.abort_cause).inc(unfinished)
         self.state.release(len(self.jobs))
+        if self.state.tracer is not None and self.finals:
+            self._trace(unfinished)
+
+    def _trace(self, unfinished: int) -> None:
+        choices = []
+        for index, p_index, ids, _ in self.jobs:
+            out = self.finals.get(index)
+            if out is not None:
+                choices.append({"metrics": out.metrics, "prompt_tokens": len(ids), "output_tokens": len(out.token_ids),
+                                "cached_tokens": out.num_cached_prompt_tokens,
+                                "attributes": {"brisk.choice_index": index, "brisk.finish_reason": out.finish_reason}})
+        usage = self._usage()
+        guard = self.guards[0]
+        attributes = {"http.route": self.raw.url.path, "gen_ai.system": "brisk",
+                      "gen_ai.request.model": self.state.config.served_model_name, "brisk.request_id": self.fmt.id,
+                      "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+                      "gen_ai.usage.output_tokens": usage["completion_tokens"],
+                      "brisk.context_guard.outcome": guard.outcome, "brisk.context_policy": guard.policy.value,
+                      "brisk.n": len(self.jobs), "brisk.stream": bool(self.body.stream)}
+        if guard.truncated_messages:
+            attributes["brisk.context_guard.truncated_messages"] = guard.truncated_messages
+        if guard.max_tokens_clamped_to is not None:
+            attributes["brisk.context_guard.max_tokens_clamped_to"] = guard.max_tokens_clamped_to
+        error = f"{unfinished} choice(s) ended early: {self.abort_cause}" if unfinished else None
+        self.state.tracer.record(f"POST {self.raw.url.path}", self.raw.headers, attributes, choices, error)
 
 
 def _as_api_error(e: BaseException, run: _Run) -> APIError:

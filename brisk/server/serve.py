@@ -84,7 +84,12 @@ def serve(args: argparse.Namespace, build_engine) -> int:
         log.info("ready: http://%s:%d/v1 serves %s", args.host, args.port, config.served_model_name)
         return engine
 
-    state = ServerState(config, factory)
+    tracer = None
+    if args.otlp_endpoint:
+        from brisk.metrics.tracing import RequestTracer
+
+        tracer = RequestTracer.otlp(args.otlp_endpoint, service_name=f"brisk:{config.served_model_name}")
+    state = ServerState(config, factory, tracer=tracer)
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                                timeout_graceful_shutdown=config.shutdown_timeout_s + 5, lifespan="on")

@@ -18,6 +18,7 @@ from brisk.server.errors import APIError
 
 if TYPE_CHECKING:
     from brisk.engine.async_engine import AsyncLLMEngine
+    from brisk.metrics.tracing import RequestTracer
 
 log = logging.getLogger("brisk.server")
 
@@ -61,9 +62,10 @@ EngineFactory = Callable[[LoadReport], "AsyncLLMEngine"]
 
 class ServerState:
     def __init__(self, config: ServerConfig, engine_factory: EngineFactory | None = None,
-                 engine: AsyncLLMEngine | None = None):
+                 engine: AsyncLLMEngine | None = None, tracer: RequestTracer | None = None):
         self.config = config
         self.metrics = ServerMetrics(config.served_model_name)
+        self.tracer = tracer  # None: no tracing work at all
         self.report = LoadReport()
         self.engine: AsyncLLMEngine | None = None
         self.load_error: str | None = None

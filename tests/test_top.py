@@ -1,0 +1,67 @@
+"""`brisk top`: Prometheus-style quantiles from bucket deltas, and a live view of a server."""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from brisk.top import Scrape, histogram_quantile, summarize
+
+from live_server import serve_engine
+from test_engine_batching import make_engine
+
+
+def test_histogram_quantile_interpolates_like_prometheus():
+    buckets = [(0.1, 10.0), (0.5, 30.0), (1.0, 40.0), (float("inf"), 40.0)]
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.1)  # rank 10 = top of the first bucket
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (20 - 10) / 20)  # 0.3
+    assert histogram_quantile(0.9, buckets) == pytest.approx(0.5 + 0.5 * (36 - 30) / 10)  # 0.8
+    assert histogram_quantile(0.99, [(1.0, 1.0), (float("inf"), 5.0)]) == 1.0  # +Inf: highest finite bound
+    assert histogram_quantile(0.5, []) is None and histogram_quantile(0.5, [(1.0, 0.0)]) is None
+
+
+
+
+def test_summarize_uses_deltas_between_scrapes():
+    prev = Scrape(0.0, {("brisk:generation_tokens_total", ()): 100.0,
+                        ("brisk:time_to_first_token_seconds_bucket", (("le", "0.1"),)): 5.0,
+                        ("brisk:time_to_first_token_seconds_bucket", (("le", "1.0"),)): 5.0,
+                        ("brisk:time_to_first_token_seconds_bucket", (("le", "+Inf"),)): 5.0,
+                        ("brisk:prefix_cache_queries_total", ()): 100.0, ("brisk:prefix_cache_hits_total", ()): 0.0,
+                        ("brisk:request_success_total", (("finish_reason", "stop"),)): 3.0})
+    cur = Scrape(2.0, {("brisk:generation_tokens_total", ()): 300.0,
+                       ("brisk:time_to_first_token_seconds_bucket", (("le", "0.1"),)): 5.0,
+                       ("brisk:time_to_first_token_seconds_bucket", (("le", "1.0"),)): 9.0,
+                       ("brisk:time_to_first_token_seconds_bucket", (("le", "+Inf"),)): 9.0,
+                       ("brisk:prefix_cache_queries_total", ()): 300.0, ("brisk:prefix_cache_hits_total", ()): 50.0,
+                       ("brisk:request_success_total", (("finish_reason", "stop"),)): 7.0})
+    view = summarize(prev, cur)
+    assert view["generation_tokens_per_s"] == 100.0 and view["requests_per_s"] == 2.0
+    # the 4 new TTFTs all fell in (0.1, 1.0]: the old 5 fast ones no longer count
+    assert view["ttft_s"]["p50"] == pytest.approx(0.1 + 0.9 * 2 / 4)
+    assert view["prefix_hit_rate"] == 0.25
+
+
+def test_top_once_against_a_live_server(demo):
+    with serve_engine(make_engine(demo)) as live:
+        def load():
+            with live.client() as http:
+                for _ in range(3):
+                    http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                             "max_tokens": 16, "ignore_eos": True})
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        out = subprocess.run([sys.executable, "-m", "brisk", "top", live.url, "--once", "--interval", "3"],
+                             capture_output=True, text=True, timeout=120)
+        worker.join(timeout=60)
+    assert out.returncode == 0, out.stderr
+    for needle in ("brisk top", "throughput", "tok/s", "TTFT", "KV cache", "context guard"):
+        assert needle in out.stdout
+
+
+def test_top_unreachable_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "brisk", "top", "http://127.0.0.1:9", "--once"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot reach" in out.stderr and "Traceback" not in out.stderr
