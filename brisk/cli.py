@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="export OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318")
     srv.set_defaults(func=cmd_serve)
 
+    bench = sub.add_parser("bench", help="load an OpenAI-compatible endpoint; vLLM-comparable latency metrics")
+    from brisk.bench.args import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(func=lambda args: __import__("brisk.bench.command", fromlist=["cmd_bench"]).cmd_bench(args))
+
     top = sub.add_parser("top", help="live terminal view of a running brisk server's /metrics")
     top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes (default 2)")

@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -111,25 +111,55 @@ async def run_concurrency(base_url: str, model: str, requests: list[BenchRequest
                           api_key: str | None = None, timeout_s: float = 600.0,
                           monitor: LoopLagMonitor | None = None) -> list[RequestRecord]:
     """Keep `concurrency` requests in flight until all are done; records in request order."""
+    return await run_schedule(base_url, model, requests, max_concurrency=concurrency, api_key=api_key,
+                              timeout_s=timeout_s, monitor=monitor)
+
+
+async def run_schedule(base_url: str, model: str, requests: list[BenchRequest], *,
+                       arrivals: list[float] | None = None, max_concurrency: int | None = None,
+                       duration_s: float | None = None, api_key: str | None = None, timeout_s: float = 600.0,
+                       monitor: LoopLagMonitor | None = None,
+                       on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+    """Send `requests` at `arrivals` (seconds from start; None = as fast as the concurrency cap
+    allows), at most `max_concurrency` in flight, issuing none after `duration_s`.
+    Returns the records of the requests sent, in request order."""
+    if max_concurrency is None and arrivals is None:
+        raise ValueError("give a concurrency cap, arrival times, or both")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    cap = max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     records: list[RequestRecord | None] = [None] * len(requests)
-    next_index = 0
+    gate = asyncio.Semaphore(cap)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(timeout_s, connect=30)) as http:
-        async def worker():
-            nonlocal next_index
-            while next_index < len(requests):
-                i = next_index
-                next_index += 1
+        async def one(i: int) -> None:
+            try:
                 records[i] = await send_streaming(http, model, requests[i])
+                if on_done is not None:
+                    on_done(records[i])
+            finally:
+                gate.release()
 
         if monitor is not None:
             monitor.start()
+        start = time.perf_counter()
+        tasks = []
         try:
-            await asyncio.gather(*[worker() for _ in range(min(concurrency, len(requests)))])
+            for i in range(len(requests)):
+                if arrivals is not None:
+                    delay = start + arrivals[i] - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                await gate.acquire()
+                if duration_s is not None and time.perf_counter() - start > duration_s:
+                    gate.release()
+                    break
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
         finally:
+            for task in tasks:
+                task.cancel()
             if monitor is not None:
                 monitor.stop()
     return [r for r in records if r is not None]

@@ -1,0 +1,142 @@
+"""`brisk bench` output: a rich table, JSON close to vLLM's benchmark result, CSV, PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from brisk.bench.metrics import RequestRecord, Summary
+
+SCHEMA_VERSION = 1
+LAG_WARNING_MS = 20.0
+
+
+@dataclass
+class RunResult:
+    label: str  # e.g. "concurrency=16"
+    knob: str  # "concurrency" | "rate" | "replay"
+    value: float | None
+    records: list[RequestRecord]
+    summary: Summary
+    loop_lag_p99_ms: float
+
+    @property
+    def client_bound(self) -> bool:
+        return self.loop_lag_p99_ms > LAG_WARNING_MS
+
+    def to_dict(self) -> dict[str, Any]:
+        ok = [r for r in self.records if r.ok]
+        out = {"label": self.label, self.knob if self.knob != "replay" else "replay": self.value,
+               **self.summary.to_dict()}
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            values = {"ttft": [r.ttft_s for r in ok], "tpot": [r.tpot_s for r in ok],
+                      "itl": [g for r in ok for g in r.itl_s], "e2el": [r.e2e_s for r in ok]}[name]
+            values = [v for v in values if v is not None]
+            out[f"std_{name}_ms"] = float(np.std(values) * 1e3) if values else None
+        out.update({
+            "input_lens": [r.prompt_tokens for r in self.records],
+            "output_lens": [r.output_tokens for r in self.records],
+            "ttfts": [r.ttft_s for r in self.records],
+            "itls": [r.itl_s for r in self.records],
+            "e2els": [r.e2e_s for r in self.records],
+            "errors": [r.error for r in self.records],
+            "server_timings": [r.server_timings for r in self.records],
+            "client": {"loop_lag_p99_ms": self.loop_lag_p99_ms, "client_bound": self.client_bound},
+        })
+        return out
+
+
+def console_table(results: list[RunResult]):
+    from rich.table import Table
+
+    table = Table(title="brisk bench", header_style="bold")
+    for col in ("run", "ok/failed", "out tok/s", "req/s", "goodput", "TTFT p50", "TTFT p99", "TPOT p50",
+                "ITL p50", "ITL p99", "E2E p50"):
+        table.add_column(col, justify="right")
+    for r in results:
+        s = r.summary
+
+        def ms(dist, attr):
+            return "–" if dist is None else f"{getattr(dist, attr) * 1e3:.0f}"
+
+        table.add_row(r.label + (" ⚠" if r.client_bound else ""), f"{s.completed}/{s.failed}",
+                      f"{s.output_throughput:.1f}", f"{s.request_throughput:.2f}",
+                      "–" if s.goodput is None else f"{s.goodput:.2f}", ms(s.ttft, "median"), ms(s.ttft, "p99"),
+                      ms(s.tpot, "median"), ms(s.itl, "median"), ms(s.itl, "p99"), ms(s.e2el, "median"))
+    return table
+
+
+def write_json(path: Path, meta: dict[str, Any], results: list[RunResult]) -> None:
+    doc = {"brisk_bench_schema": SCHEMA_VERSION, **meta, "runs": [r.to_dict() for r in results]}
+    Path(path).write_text(json.dumps(doc, indent=1, default=float) + "\n", encoding="utf-8")
+
+
+CSV_COLUMNS = ("label", "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+               "request_throughput", "output_throughput", "total_token_throughput", "request_goodput",
+               "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+               "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms",
+               "p99_e2el_ms")
+
+
+def write_csv(path: Path, results: list[RunResult]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in results:
+            writer.writerow({"label": r.label, **r.summary.to_dict()})
+
+
+def write_plots(directory: Path, results: list[RunResult]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for r in results:
+        ok = [x for x in r.records if x.ok]
+        series = {"TTFT": [x.ttft_s for x in ok if x.ttft_s is not None],
+                  "inter-token latency": [g for x in ok for g in x.itl_s],
+                  "end-to-end latency": [x.e2e_s for x in ok]}
+        for ax, (name, values) in zip(axes, series.items()):
+            if values:
+                v = np.sort(np.asarray(values) * 1e3)
+                ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=r.label)
+            ax.set_title(f"{name} CDF")
+            ax.set_xlabel("ms")
+            ax.set_ylabel("fraction of requests" if name != "inter-token latency" else "fraction of gaps")
+            ax.grid(alpha=0.3)
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(directory / "latency_cdf.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    swept = [r for r in results if r.value is not None]
+    if len(swept) > 1:
+        fig, ax1 = plt.subplots(figsize=(7, 4.2))
+        xs = [r.value for r in swept]
+        ax1.plot(xs, [r.summary.output_throughput for r in swept], "o-", label="output tok/s")
+        ax1.set_xlabel(swept[0].knob)
+        ax1.set_ylabel("output tokens/s")
+        ax2 = ax1.twinx()
+        ax2.plot(xs, [r.summary.ttft.p99 * 1e3 if r.summary.ttft else np.nan for r in swept], "s--", color="C3",
+                 label="TTFT p99 (ms)")
+        ax2.set_ylabel("TTFT p99 (ms)")
+        ax1.set_title(f"throughput and TTFT vs {swept[0].knob}")
+        ax1.grid(alpha=0.3)
+        fig.legend(loc="upper left")
+        fig.tight_layout()
+        written.append(directory / f"throughput_vs_{swept[0].knob}.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
