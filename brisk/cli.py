@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(or set BRISK_API_KEY)")
     srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (default 16 MiB)")
     srv.add_argument("--seed", type=int, default=None, help="seed of the sampler for unseeded requests")
+    srv.add_argument("--request-log", default=None,
+                     help="append one JSON line per finished request (lengths, timings) to this file; "
+                          "brisk kv-plan --trace reads it")
     srv.add_argument("--otlp-endpoint", default=None,
                      help="export OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318")
     srv.set_defaults(func=cmd_serve)
@@ -95,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
     bench.set_defaults(func=lambda args: __import__("brisk.bench.command", fromlist=["cmd_bench"]).cmd_bench(args))
+
+    plan = sub.add_parser("kv-plan", help="fit request lengths, simulate KV-cache strategies, size the pool")
+    from brisk.kvplan.args import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
+    plan.set_defaults(func=lambda args: __import__("brisk.kvplan.command", fromlist=["cmd_kv_plan"]).cmd_kv_plan(args))
 
     top = sub.add_parser("top", help="live terminal view of a running brisk server's /metrics")
     top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")

@@ -38,7 +38,9 @@ class RunResult:
                       "itl": [g for r in ok for g in r.itl_s], "e2el": [r.e2e_s for r in ok]}[name]
             values = [v for v in values if v is not None]
             out[f"std_{name}_ms"] = float(np.std(values) * 1e3) if values else None
+        start = min(r.sent_ts for r in self.records)
         out.update({
+            "send_offsets": [round(r.sent_ts - start, 6) for r in self.records],
             "input_lens": [r.prompt_tokens for r in self.records],
             "output_lens": [r.output_tokens for r in self.records],
             "ttfts": [r.ttft_s for r in self.records],

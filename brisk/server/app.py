@@ -401,6 +401,24 @@ class _Run:
         self.state.release(len(self.jobs))
         if self.state.tracer is not None and self.finals:
             self._trace(unfinished)
+        if self.state.request_log is not None:
+            self._log_requests()
+
+    def _log_requests(self) -> None:
+        """One JSON line per engine request (brisk kv-plan and brisk bench --trace read these)."""
+        offset = time.time() - time.monotonic()
+        for index, p_index, ids, _ in self.jobs:
+            out = self.finals.get(index)
+            m = out.metrics if out is not None else {}
+            stamps = m.get("timestamps") or {}
+            self.state.request_log.write({
+                "request_id": f"{self.fmt.id}-{index}", "route": self.raw.url.path,
+                "arrival_s": round(stamps["arrival"] + offset, 6) if stamps.get("arrival") else None,
+                "prompt_tokens": len(ids), "output_tokens": len(out.token_ids) if out is not None else None,
+                "cached_prompt_tokens": out.num_cached_prompt_tokens if out is not None else None,
+                "finish_reason": out.finish_reason if out is not None else self.abort_cause,
+                "context_outcome": self.guards[p_index].outcome,
+                **{k: m.get(k) for k in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")}})
 
     def _trace(self, unfinished: int) -> None:
         choices = []

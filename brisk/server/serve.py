@@ -58,6 +58,7 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
             shutdown_timeout_s=args.shutdown_timeout,
             api_key=args.api_key or os.environ.get("BRISK_API_KEY") or None,
             max_request_bytes=args.max_request_bytes,
+            request_log=args.request_log,
         )
     except ValueError as e:
         raise BriskError(str(e)) from None
@@ -89,7 +90,10 @@ def serve(args: argparse.Namespace, build_engine) -> int:
         from brisk.metrics.tracing import RequestTracer
 
         tracer = RequestTracer.otlp(args.otlp_endpoint, service_name=f"brisk:{config.served_model_name}")
-    state = ServerState(config, factory, tracer=tracer)
+    try:
+        state = ServerState(config, factory, tracer=tracer)
+    except ValueError as e:
+        raise BriskError(str(e)) from None
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                                timeout_graceful_shutdown=config.shutdown_timeout_s + 5, lifespan="on")

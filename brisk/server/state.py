@@ -5,6 +5,7 @@ and draining on shutdown."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 16 * 2**20
     retry_after_s: int = 2
+    request_log: str | None = None  # JSONL path, one line per finished engine request
 
     def __post_init__(self):
         if self.max_queued_requests < 0:
@@ -66,6 +68,7 @@ class ServerState:
         self.config = config
         self.metrics = ServerMetrics(config.served_model_name)
         self.tracer = tracer  # None: no tracing work at all
+        self.request_log = RequestLog(config.request_log) if config.request_log else None
         self.report = LoadReport()
         self.engine: AsyncLLMEngine | None = None
         self.load_error: str | None = None
@@ -166,6 +169,19 @@ class ServerState:
             loop.call_later(self.config.shutdown_timeout_s, engine.fail_all,
                             ShutdownError(f"the server shut down (after the {self.config.shutdown_timeout_s:g} s "
                                           "drain timeout) before this request finished"))
+
+
+class RequestLog:
+    """Append-only JSONL, line-buffered, so a crash loses at most the line being written."""
+
+    def __init__(self, path: str):
+        try:
+            self._file = open(path, "a", buffering=1, encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--request-log {path}: cannot open for appending ({e.strerror or e})") from None
+
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def _version() -> str:

@@ -1,0 +1,41 @@
+"""`brisk kv-plan` flags (no heavy imports)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("traffic (a trace, or distributions)")
+    src.add_argument("--trace", type=Path, default=None,
+                     help="JSONL (brisk serve --request-log, or arrival_s/prompt_tokens/output_tokens per line) "
+                          "or a brisk bench --json file")
+    src.add_argument("--prompt-len", default="lognormal:mean=600,sigma=0.9,min=16,max=4000",
+                     help="without --trace: prompt length distribution (brisk bench syntax)")
+    src.add_argument("--output-len", default="lognormal:mean=250,sigma=0.8,min=8,max=2000")
+    src.add_argument("--rate", type=float, default=4.0, help="without --trace: requests/s (Poisson)")
+    src.add_argument("--num-requests", type=int, default=2000)
+    src.add_argument("--seed", type=int, default=0)
+    mem = p.add_argument_group("memory and model")
+    mem.add_argument("--memory", default="2GiB", help="KV memory budget, e.g. 2GiB")
+    mem.add_argument("--model", default=None, help="model dir, .gguf or catalog name, for bytes per token "
+                                                    "(default: the demo model)")
+    mem.add_argument("--kv-dtype", default="float32", help="KV cache dtype: float32 (brisk on CPU), bfloat16, "
+                                                           "float16, fp8")
+    mem.add_argument("--bytes-per-token", type=int, default=None, help="override the model's KV bytes per token")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    eng.add_argument("--max-tokens", type=int, default=None,
+                     help="max_tokens clients ask for when the trace has none (default: the rest of the window)")
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    eng.add_argument("--decode-tps", type=float, default=20.0,
+                     help="generation speed per sequence, tokens/s (one engine step = 1/decode-tps s)")
+    eng.add_argument("--block-sizes", default="8,16,32,64,128")
+    eng.add_argument("--buckets", default="auto",
+                     help="bucketed pools as slot sizes:memory shares, e.g. 1024,2048,8192:0.5,0.3,0.2 "
+                          "(auto: max_model_len/8, /4, /2 and max_model_len, equal shares)")
+    eng.add_argument("--rebalance-every", type=int, default=100, help="steps between bucket rebalances")
+    p.add_argument("--json", type=Path, default=None, dest="json_path")
+    p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")

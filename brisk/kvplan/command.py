@@ -1,0 +1,98 @@
+"""`brisk kv-plan`: fit request lengths, simulate KV allocation strategies, recommend a set-up."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from brisk.errors import BriskError
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise BriskError(f"{flag} {text!r}: give positive integers separated by commas")
+    return values
+
+
+def _buckets(text: str) -> tuple[list[int], list[float]]:
+    sizes_text, _, shares_text = text.partition(":")
+    sizes = _ints(sizes_text, "--buckets")
+    try:
+        shares = [float(x) for x in shares_text.split(",")] if shares_text else [1.0] * len(sizes)
+    except ValueError:
+        shares = []
+    if len(shares) != len(sizes) or any(s <= 0 for s in shares):
+        raise BriskError(f"--buckets {text!r}: give sizes:shares with one positive share per size, "
+                         "e.g. 512,2048:0.7,0.3")
+    return sizes, shares
+
+
+def cmd_kv_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from brisk.bench.workloads import parse_length_dist
+    from brisk.config import parse_memory
+    from brisk.kvplan.fit import fit_truncated_lognormal
+    from brisk.kvplan.plan import PlanInputs, model_shape, recommend, run_strategies
+    from brisk.kvplan.report import fit_table, strategy_table, write_plots
+    from brisk.kvplan.trace import load_trace, synthetic_trace
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    try:
+        memory = parse_memory(args.memory)
+    except ValueError as e:
+        raise BriskError(f"--memory: {e}") from None
+    if args.decode_tps <= 0:
+        raise BriskError(f"--decode-tps must be > 0, got {args.decode_tps}")
+    shape = model_shape(args.model, args.kv_dtype)
+    per_token = args.bytes_per_token or shape.bytes_per_token
+    max_model_len = args.max_model_len or shape.max_model_len
+    skipped = 0
+    if args.trace is not None:
+        trace, skipped = load_trace(args.trace)
+    else:
+        trace = synthetic_trace(parse_length_dist(args.prompt_len, "--prompt-len"),
+                                parse_length_dist(args.output_len, "--output-len"), args.num_requests, args.rate,
+                                args.seed)
+    if args.buckets == "auto":
+        sizes, shares = [max(max_model_len // d, 1) for d in (8, 4, 2, 1)], [1.0] * 4
+    else:
+        sizes, shares = _buckets(args.buckets)
+    inputs = PlanInputs(memory // per_token, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                        1.0 / args.decode_tps, args.max_tokens, _ints(args.block_sizes, "--block-sizes"), sizes,
+                        shares, args.rebalance_every)
+    if inputs.capacity_tokens < 1:
+        raise BriskError(f"--memory {args.memory} holds no token at {per_token} bytes per token")
+    fits = {name: fit_truncated_lognormal([getattr(r, attr) for r in trace])
+            for name, attr in (("prompt tokens", "prompt_tokens"), ("output tokens", "output_tokens"))}
+    results = run_strategies(trace, inputs)
+    plan = recommend(results, inputs, shape)
+    console.print(f"[bold]brisk kv-plan[/]: {len(trace)} requests"
+                  + (f" ({skipped} aborted lines skipped)" if skipped else "")
+                  + f", model {shape.name}: {per_token} bytes/token ({shape.detail}); "
+                  f"memory {args.memory} = {inputs.capacity_tokens:,} tokens; max_model_len {max_model_len}; "
+                  f"step {inputs.step_s * 1e3:.0f} ms")
+    console.print(fit_table(fits))
+    console.print(strategy_table(results))
+    console.print(f"[bold green]recommendation[/]: paged KV, block size {plan['block_size']}, "
+                  f"{plan['num_blocks']:,} blocks ({inputs.capacity_tokens:,} tokens); expected concurrency "
+                  f"{plan['expected_concurrency']['mean']:.1f} mean / {plan['expected_concurrency']['peak']} peak "
+                  f"sequences; admission delay p99 {plan['admission_delay_s']['p99']:.2f} s; "
+                  f"{plan['preemptions']} preemptions\n  brisk serve {plan.get('brisk_serve_flags', '')}")
+    if args.json_path:
+        doc = {"brisk_kv_plan_schema": 1, "requests": len(trace), "skipped_lines": skipped,
+               "bytes_per_token": per_token, "model": shape.name, "memory_bytes": memory,
+               "capacity_tokens": inputs.capacity_tokens, "max_model_len": max_model_len, "step_s": inputs.step_s,
+               "fits": {k: v.to_dict() for k, v in fits.items()},
+               "strategies": [r.to_dict() for r in results], "recommendation": plan}
+        args.json_path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        for path in write_plots(args.plot, trace, fits, results):
+            console.print(f"plot: {path}")
+    return 0

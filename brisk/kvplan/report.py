@@ -1,0 +1,107 @@
+"""`brisk kv-plan` tables and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from brisk.kvplan.fit import LengthFit
+from brisk.kvplan.simulate import SimResult
+from brisk.kvplan.trace import TraceRequest
+
+
+def fit_table(fits: dict[str, LengthFit]):
+    from rich.table import Table
+
+    table = Table(title="request lengths: truncated lognormal fit vs empirical", header_style="bold")
+    for col in ("", "mu", "sigma", "range", "mean fit/emp", "p50 fit/emp", "p90 fit/emp", "p99 fit/emp",
+                "KS D (p)"):
+        table.add_column(col, justify="right")
+    for name, f in fits.items():
+        e = f.empirical
+        table.add_row(name, f"{f.mu:.3f}", f"{f.sigma:.3f}", f"{f.low:.0f}–{f.high:.0f}",
+                      f"{f.mean():.0f}/{e['mean']:.0f}", f"{f.quantile(0.5):.0f}/{e['p50']:.0f}",
+                      f"{f.quantile(0.9):.0f}/{e['p90']:.0f}", f"{f.quantile(0.99):.0f}/{e['p99']:.0f}",
+                      f"{f.ks_statistic:.3f} ({f.ks_pvalue:.2g})")
+    return table
+
+
+def strategy_table(results: list[SimResult]):
+    from rich.table import Table
+
+    table = Table(title="KV allocation strategies over the trace (means over all steps, % of budget)",
+                  header_style="bold")
+    for col in ("strategy", "peak mem", "mean mem", "mean used", "internal frag", "reservation", "external frag",
+                "seqs mean/peak", "delay p50/p99 s", "preempt", "rejected"):
+        table.add_column(col, justify="right")
+    for r in results:
+        d = r.to_dict()
+        w = d["waste"]
+        cap = r.capacity_tokens
+        table.add_row(r.strategy, f"{r.peak_allocated / cap:.0%}", f"{r.mean_allocated / cap:.0%}",
+                      f"{r.mean_used / cap:.0%}", f"{w['internal_fragmentation']:.1%}", f"{w['reservation']:.1%}",
+                      f"{w['external_fragmentation']:.1%}", f"{r.mean_running:.1f}/{r.peak_running}",
+                      f"{d['admission_delay_s']['p50']:.2f}/{d['admission_delay_s']['p99']:.2f}",
+                      str(r.num_preemptions), str(r.num_rejected))
+    return table
+
+
+def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, LengthFit],
+                results: list[SimResult]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, (name, fit), attr in zip(axes, fits.items(), ("prompt_tokens", "output_tokens")):
+        values = np.array([getattr(r, attr) for r in trace], dtype=float)
+        ax.hist(values, bins=min(60, max(10, len(values) // 20)), density=True, alpha=0.5, label="trace")
+        xs = np.linspace(fit.low, fit.high, 400)
+        ax.plot(xs, fit.pdf(xs), "C3", label=f"truncated lognormal μ={fit.mu:.2f} σ={fit.sigma:.2f}")
+        ax.set_title(f"{name} (KS D={fit.ks_statistic:.3f})")
+        ax.set_xlabel("tokens")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(directory / "length_fit.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    for r in results:
+        if "B=8" in r.strategy or "B=64" in r.strategy or "B=128" in r.strategy:
+            continue  # keep the plot readable: B=16/32 stand for paging
+        t = np.arange(len(r.timeline["allocated"])) * r.step_s
+        ax.plot(t, np.array(r.timeline["allocated"]) / r.capacity_tokens, label=r.strategy, lw=1)
+    ax.set_ylabel("memory held / budget")
+    ax.set_xlabel("seconds")
+    ax.set_title("KV memory held over the trace")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written.append(directory / "memory_over_time.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    labels = [r.strategy for r in results]
+    parts = {"used": [r.mean_used for r in results], "internal": [r.mean_internal for r in results],
+             "reservation": [r.mean_reserved_unused for r in results],
+             "external": [r.mean_external for r in results]}
+    bottom = np.zeros(len(results))
+    for name, values in parts.items():
+        v = np.array(values) / results[0].capacity_tokens
+        ax.barh(labels, v, left=bottom, label=name)
+        bottom += v
+    ax.set_xlabel("share of the memory budget (mean over all steps)")
+    ax.set_title("where the memory goes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(directory / "waste_breakdown.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written

@@ -1,0 +1,217 @@
+"""brisk kv-plan: exact figures on hand-checkable traces, the lognormal fit, the CLI, and
+the simulator's paged-block usage against brisk's real engine replaying the same trace."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from brisk.config import CacheConfig
+from brisk.engine.engine import LLMEngine
+from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.scheduler import SchedulerConfig
+from brisk.kvplan.fit import fit_truncated_lognormal
+from brisk.kvplan.simulate import BucketAllocator, ContiguousAllocator, PagedAllocator, SimConfig, simulate
+from brisk.kvplan.trace import TraceRequest, load_trace
+
+CFG = SimConfig(capacity_tokens=100, max_model_len=40, max_num_seqs=8, max_num_batched_tokens=1000, step_s=1.0)
+# A and B arrive at step 0, C at step 1 (see the step-by-step accounts in each test)
+TRACE = [TraceRequest(0.0, 10, 3, max_tokens=5), TraceRequest(0.0, 20, 2, max_tokens=4),
+         TraceRequest(1.0, 30, 1, max_tokens=10)]
+
+
+def test_static_reservation_of_max_model_len():
+    r = simulate(TRACE, ContiguousAllocator(100, lambda s: 40), CFG, "static")
+    # step 0: A, B hold 40 each (10 + 20 tokens); step 1: C (40) does not fit in the 20 left,
+    # B finishes; step 2: C takes B's old region: A 12 + C 30 tokens, both finish.
+    assert (r.steps, r.num_finished, r.peak_running, r.num_preemptions) == (3, 3, 2, 0)
+    assert r.timeline["allocated"] == [80, 80, 80] and r.timeline["used"] == [30, 32, 42]
+    assert r.mean_reserved_unused == pytest.approx((50 + 48 + 38) / 3)
+    assert r.mean_internal == 0 and r.mean_external == 0  # 20 free < 40 needed: not fragmentation
+    assert r.admission_delays_s == [0.0, 0.0, 1.0]
+
+
+def test_reservation_of_prompt_plus_max_tokens():
+    r = simulate(TRACE, ContiguousAllocator(100, lambda s: s.req.prompt_tokens + s.max_tokens), CFG, "reserve")
+    # regions 15, 24, 40: all three fit at step 1
+    assert r.timeline["allocated"] == [39, 79, 15] and r.timeline["used"] == [30, 62, 12]
+    assert r.mean_reserved_unused == pytest.approx((9 + 17 + 3) / 3)
+    assert r.peak_running == 3 and r.admission_delays_s == [0.0, 0.0, 0.0]
+
+
+def test_first_fit_holes_are_external_fragmentation():
+    cfg = SimConfig(capacity_tokens=30, max_model_len=30, step_s=1.0)
+    trace = [TraceRequest(0, 9, 1, max_tokens=1), TraceRequest(0, 9, 3, max_tokens=3),
+             TraceRequest(0, 7, 1, max_tokens=1), TraceRequest(1, 13, 1, max_tokens=1)]
+    r = simulate(trace, ContiguousAllocator(30, lambda s: s.req.prompt_tokens + s.max_tokens), cfg, "reserve")
+    # step 0: [0,10) [10,22) [22,30); the 1st and 3rd finish, leaving holes of 10 and 8.
+    # steps 1-2: D needs 14; 18 tokens are free but no hole is big enough: external fragmentation.
+    # step 3: B is gone, D takes [0,14).
+    assert r.timeline["allocated"] == [30, 12, 12, 14]
+    assert r.mean_external == pytest.approx((0 + 18 + 18 + 0) / 4)
+    assert r.admission_delays_s[-1] == 2.0
+
+
+def test_paged_blocks_grow_with_the_sequence():
+    r = simulate(TRACE, PagedAllocator(100, 8), CFG, "paged")
+    # blocks: A 10 -> 2, B 20 -> 3 (step 0); C 30 -> 4 joins at step 1; A alone at step 2
+    assert r.timeline["allocated"] == [40, 72, 16] and r.timeline["used"] == [30, 62, 12]
+    assert r.mean_internal == pytest.approx((10 + 10 + 4) / 3) and r.mean_reserved_unused == 0
+    assert r.used_blocks == [5, 2, 0]  # after each step, as the engine reports
+
+
+def test_buckets_with_a_dry_class_count_external_fragmentation():
+    alloc = BucketAllocator(100, [16, 40], [0.4, 0.6])
+    assert alloc.slots == [2, 1]
+    r = simulate(TRACE, alloc, CFG, "buckets")
+    # A (need 15) -> a 16-slot, B (24) -> the 40-slot; C (40) waits a step for it though 44 is free
+    assert r.timeline["allocated"] == [56, 56, 56] and r.timeline["used"] == [30, 32, 42]
+    assert r.mean_internal == pytest.approx((17 + 17 + 1) / 3)
+    assert r.mean_reserved_unused == pytest.approx((9 + 7 + 13) / 3)
+    assert r.mean_external == pytest.approx(44 / 3)
+
+
+def test_rebalancing_moves_free_memory_to_the_busy_bucket():
+    alloc = BucketAllocator(100, [16, 40], [0.9, 0.1])
+    assert alloc.slots == [5, 0]  # no slot of 40 at all
+    trace = [TraceRequest(0, 30, 2, max_tokens=5)]
+    cfg = SimConfig(capacity_tokens=100, max_model_len=40, step_s=1.0)
+    stuck = simulate(trace, BucketAllocator(100, [16, 40], [0.9, 0.1]), cfg, "b")
+    assert (stuck.num_finished, stuck.num_rejected, stuck.steps) == (0, 1, 1)  # rejected, not stuck forever
+    moved = simulate(trace, alloc, cfg, "b+r", rebalance_every=1)
+    assert moved.num_finished == 1 and alloc.num_rebalances >= 1
+
+
+def test_prefix_sharing_counts_shared_blocks_once():
+    cfg = SimConfig(capacity_tokens=64, max_model_len=64, step_s=1.0)
+    trace = [TraceRequest(0, 10, 2, prefix_group="g", prefix_tokens=8),
+             TraceRequest(0, 12, 2, prefix_group="g", prefix_tokens=8)]
+    shared = simulate(trace, PagedAllocator(64, 4, prefix_sharing=True), cfg, "s")
+    plain = simulate(trace, PagedAllocator(64, 4), cfg, "p")
+    # shared: 2 prefix blocks + 1 + 1 private; step 1: B grows to 13 -> 2 private
+    assert shared.timeline["allocated"] == [16, 20] and shared.timeline["used"] == [14, 16]
+    assert plain.timeline["allocated"] == [24, 28] and plain.timeline["used"] == [22, 24]
+
+
+def test_paged_preemption_recomputes_the_newest():
+    cfg = SimConfig(capacity_tokens=16, max_model_len=16, step_s=1.0)
+    trace = [TraceRequest(0, 7, 4), TraceRequest(0, 4, 3)]
+    r = simulate(trace, PagedAllocator(16, 4), cfg, "p")
+    # step 2: A needs a 3rd block, none free: B (newest) is preempted; it returns at step 4
+    assert r.num_preemptions == 1 and r.used_blocks == [3, 4, 3, 0, 0] and r.num_finished == 2
+
+
+def test_requests_that_can_never_fit_are_rejected_not_queued_forever():
+    r = simulate([TraceRequest(0, 50, 10)], PagedAllocator(32, 16), SimConfig(32, 4096, step_s=1), "p")
+    assert r.num_rejected == 1 and r.num_finished == 0 and r.steps == 1
+
+
+def test_truncated_lognormal_fit_recovers_parameters():
+    rng = np.random.default_rng(3)
+    x = rng.lognormal(6.0, 0.7, 20000)
+    x = x[(x >= 50) & (x <= 3000)][:5000]
+    fit = fit_truncated_lognormal(x, 50, 3000)
+    assert fit.mu == pytest.approx(6.0, abs=0.05) and fit.sigma == pytest.approx(0.7, abs=0.03)
+    assert fit.ks_pvalue > 0.01 and fit.mean() == pytest.approx(x.mean(), rel=0.03)
+    assert fit.quantile(0.5) == pytest.approx(np.median(x), rel=0.05)
+    bimodal = np.concatenate([rng.normal(100, 5, 1500), rng.normal(1000, 50, 1500)])
+    assert fit_truncated_lognormal(bimodal).ks_pvalue < 1e-6  # a bad model is reported as one
+
+
+def test_trace_formats(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    log.write_text('{"arrival_s": 100.5, "prompt_tokens": 5, "output_tokens": 3, "finish_reason": "length"}\n'
+                   '{"arrival_s": 100.0, "prompt_tokens": 7, "output_tokens": null}\n'
+                   '{"timestamp": 101, "input_tokens": 9, "completion_tokens": 2, "prefix_group": "sys",'
+                   ' "prefix_tokens": 4}\n')
+    trace, skipped = load_trace(log)
+    assert skipped == 1 and [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in trace] == [(0.0, 5, 3),
+                                                                                              (0.5, 9, 2)]
+    assert trace[1].prefix_group == "sys" and trace[1].prefix_tokens == 4
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"runs": [{"send_offsets": [0, 0.2], "input_lens": [4, 6], "output_lens": [8, 9]}]}))
+    assert [r.output_tokens for r in load_trace(bench)[0]] == [8, 9]
+
+
+def test_cli_plan_with_json_and_plots(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "brisk", "kv-plan", "--num-requests", "150", "--rate", "3",
+                           "--memory", "256MiB", "--max-tokens", "1024", "--json", str(out), "--plot",
+                           str(tmp_path / "plots")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, float32 K and V
+    assert doc["capacity_tokens"] == 256 * 2**20 // doc["bytes_per_token"]
+    names = [s["strategy"] for s in doc["strategies"]]
+    assert any(n.startswith("static") for n in names) and any(n.startswith("paged B=16") for n in names)
+    rec = doc["recommendation"]
+    assert rec["block_size"] in (8, 16, 32, 64, 128) and "--block-size" in rec["brisk_serve_flags"]
+    static = next(s for s in doc["strategies"] if s["strategy"].startswith("static"))
+    paged = next(s for s in doc["strategies"] if s["strategy"] == "paged B=16")
+    assert paged["mean_concurrent_sequences"] > static["mean_concurrent_sequences"]
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"length_fit.png", "memory_over_time.png",
+                                                                "waste_breakdown.png"}
+    assert "recommendation" in proc.stdout
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "brisk", "kv-plan", "--memory", "lots"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--memory" in proc.stderr and "Traceback" not in proc.stderr
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_tokens": "many", "output_tokens": 3}\n')
+    proc = subprocess.run([sys.executable, "-m", "brisk", "kv-plan", "--trace", str(bad)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "t.jsonl:1" in proc.stderr
+
+
+# -- validation against the real engine --------------------------------------------------------------
+def validation_trace(seed: int = 7) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    trace = []
+    for i in range(28):
+        group = ("a", "b", None, None)[i % 4]
+        trace.append(TraceRequest(float(i // 2 * 3), int(rng.integers(45, 90)), int(rng.integers(3, 30)),
+                                  prefix_group=group, prefix_tokens=40 if group else 0))
+    return trace
+
+
+def engine_replay(demo, trace, num_blocks: int, block_size: int) -> tuple[list[int], int]:
+    """Add each request at its arrival step (no wall clock), step, and read used blocks after every step."""
+    rng = np.random.default_rng(0)
+    prefixes = {g: [int(t) for t in rng.integers(1000, 20000, 40)] for g in ("a", "b")}
+    engine = LLMEngine(demo, CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
+                       SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=256))
+    steps = sorted({int(r.arrival_s) for r in trace})
+    used, step = [], 0
+    while step <= steps[-1] or engine.has_unfinished_requests():
+        for r in trace:
+            if int(r.arrival_s) == step:
+                head = prefixes[r.prefix_group] if r.prefix_group else []
+                tail = [int(t) for t in rng.integers(1000, 20000, r.prompt_tokens - len(head))]
+                engine.add_request(head + tail, SamplingParams(max_tokens=r.output_tokens, temperature=0,
+                                                               ignore_eos=True))
+        engine.step()
+        used.append(engine.stats().kv_blocks_used)
+        step += 1
+    return used, engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("num_blocks", [200, 24])  # roomy, and tight enough to preempt
+def test_simulator_matches_the_engine_block_usage(demo, num_blocks):
+    trace = validation_trace()
+    real, real_preemptions = engine_replay(demo, trace, num_blocks, block_size=16)
+    cfg = SimConfig(capacity_tokens=num_blocks * 16, max_model_len=256, max_num_seqs=64,
+                    max_num_batched_tokens=4096, step_s=1.0)
+    sim = simulate(trace, PagedAllocator(num_blocks * 16, 16, prefix_sharing=True), cfg, "paged",
+                   arrival_steps=[int(r.arrival_s) for r in trace])
+    n = max(len(real), len(sim.used_blocks))
+    real += [0] * (n - len(real))
+    simulated = sim.used_blocks + [0] * (n - len(sim.used_blocks))
+    error = sum(abs(a - b) for a, b in zip(real, simulated)) / sum(real)
+    assert error <= 0.02, (error, real, simulated)
+    assert sim.num_preemptions == real_preemptions
+    if num_blocks == 24:
+        assert real_preemptions > 0
