@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.set_defaults(func=lambda args: __import__("brisk.bench.command", fromlist=["cmd_bench"]).cmd_bench(args))
 
+    doctor = sub.add_parser("doctor", help="diagnose why an OpenAI-compatible endpoint is slow")
+    from brisk.doctor.args import add_arguments as add_doctor_arguments
+
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(func=lambda args: __import__("brisk.doctor.command", fromlist=["cmd_doctor"]).cmd_doctor(args))
+
     plan = sub.add_parser("kv-plan", help="fit request lengths, simulate KV-cache strategies, size the pool")
     from brisk.kvplan.args import add_arguments as add_plan_arguments
 

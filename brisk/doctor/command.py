@@ -1,0 +1,69 @@
+"""`brisk doctor URL`: which silent killer hurts this endpoint, with the evidence and the fix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from brisk.errors import BriskError
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from brisk.doctor import checks
+    from brisk.doctor.probe import Prober, require_openai
+    from brisk.doctor.report import console_report, to_json, write_html
+
+    if args.max_concurrency < 1:
+        raise BriskError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    console = Console(stderr=True)
+    out = Console(width=None if sys.stdout.isatty() else 160)
+    prober = Prober(args.url, args.api_key or os.environ.get("OPENAI_API_KEY"))
+    started, t0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
+    try:
+        models = require_openai(prober)
+        body = models["body"] if isinstance(models["body"], dict) else {}
+        ids = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
+        model = args.model or (ids[0] if ids else None)
+        if model is None:
+            raise BriskError(f"{args.url} lists no model; pass --model")
+        options = checks.Options(model=model, quick=args.quick, max_concurrency=args.max_concurrency,
+                                 max_model_len=args.max_model_len, sample_file=args.sample_file,
+                                 cold_wait_s=args.cold_wait,
+                                 progress=lambda message: console.print(f"[dim]… {message}[/]"))
+        findings, measurements = [], {}
+        cold, measurements["cold_start"] = _guarded("cold_start", checks.check_cold_start, prober, options)
+        findings.append(cold)
+        steady = measurements["cold_start"].get("steady_ttft_s")
+        network, measurements["network"] = _guarded("network", checks.check_network, prober, options, steady)
+        context, measurements["context"] = _guarded("context", checks.check_context, prober, options, body)
+        batching, measurements["concurrency"] = _guarded("kv_batching", checks.check_concurrency, prober, options)
+        findings = [network, cold, batching, context]
+    finally:
+        prober.close()
+    report = to_json(args.url, model, started, time.perf_counter() - t0, findings, measurements)
+    out.print(console_report(args.url, model, findings))
+    out.print(f"overall: {report['overall']}")
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, default=str)
+    if args.html:
+        write_html(args.html, report)
+    return 0
+
+
+def _guarded(area: str, check, *args):
+    """A check that crashes (a server answering nonsense) becomes an 'unknown' finding."""
+    from brisk.doctor.checks import UNKNOWN, Finding
+
+    try:
+        return check(*args)
+    except BriskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the doctor reports what it could not measure
+        return Finding(area, UNKNOWN, f"could not examine: {type(e).__name__}: {e}"[:300], {}, [],
+                       [f"{area} ({type(e).__name__})"]), {"error": f"{type(e).__name__}: {e}"[:300]}

@@ -1,0 +1,99 @@
+"""Small OpenAI-compatible servers that misbehave in exactly one way, for `brisk doctor`'s
+tests. A "token" is a whitespace-separated word; generation is simulated with sleeps.
+
+    python tests/doctor_fakes.py PORT '{"serial": true}'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+WINDOW = 4096
+TOKEN_DELAY_S = 0.004
+PREFILL_S_PER_TOKEN = 0.000005
+
+
+def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_request_delay_s: float = 0.0,
+               buffered: bool = False, serial: bool = False) -> FastAPI:
+    app = FastAPI()
+    started = time.monotonic()
+    lock = asyncio.Lock()
+    state = {"served": 0}
+
+    def loading() -> bool:
+        return time.monotonic() - started < cold_start_s
+
+    def busy_503():
+        return JSONResponse({"status": "loading", "phase": "weights", "progress": 0.5}, status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": WINDOW}]}
+
+    @app.get("/ready")
+    async def ready():
+        return busy_503() if loading() else {"status": "ready"}
+
+    async def generate(prompt_tokens: int, max_tokens: int):
+        """Yields (token text) with the simulated timing; serial servers hold a global lock."""
+        if serial:
+            await lock.acquire()
+        try:
+            if state["served"] == 0 and first_request_delay_s:
+                await asyncio.sleep(first_request_delay_s)
+            state["served"] += 1
+            await asyncio.sleep(0.01 + prompt_tokens * PREFILL_S_PER_TOKEN)
+            for i in range(max_tokens):
+                if i:
+                    await asyncio.sleep(TOKEN_DELAY_S)
+                yield "tok "
+        finally:
+            if serial:
+                lock.release()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        if loading():
+            return busy_503()
+        body = await request.json()
+        words = sum(len(str(m.get("content", "")).split()) + 4 for m in body["messages"])
+        if truncate_to is not None:
+            words = min(words, truncate_to)  # silently keep only the end of the prompt
+        elif words >= WINDOW:
+            return JSONResponse({"error": {"message": f"prompt of {words} tokens exceeds {WINDOW}",
+                                           "type": "invalid_request_error", "param": "messages",
+                                           "code": "context_length_exceeded"}}, status_code=400)
+        max_tokens = int(body.get("max_tokens") or 16)
+        usage = {"prompt_tokens": words, "completion_tokens": max_tokens, "total_tokens": words + max_tokens}
+        if not body.get("stream"):
+            text = "".join([t async for t in generate(words, max_tokens)])
+            return {"id": "x", "object": "chat.completion", "created": 0, "model": "fake",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "finish_reason": "length"}], "usage": usage}
+
+        async def events():
+            async for piece in generate(words, max_tokens):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': piece}}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        if buffered:  # what a buffering proxy does: everything arrives at once, at the end
+            payload = "".join([e async for e in events()])
+            return Response(payload, media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    port, flags = int(sys.argv[1]), json.loads(sys.argv[2])
+    uvicorn.run(create_app(**flags), host="127.0.0.1", port=port, log_level="warning")
