@@ -37,5 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="bucketed pools as slot sizes:memory shares, e.g. 1024,2048,8192:0.5,0.3,0.2 "
                           "(auto: max_model_len/8, /4, /2 and max_model_len, equal shares)")
     eng.add_argument("--rebalance-every", type=int, default=100, help="steps between bucket rebalances")
+    p.add_argument("--save-trace", type=Path, default=None, help="write the requests simulated as JSONL")
     p.add_argument("--json", type=Path, default=None, dest="json_path")
     p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")

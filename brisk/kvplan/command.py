@@ -60,6 +60,12 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
         trace = synthetic_trace(parse_length_dist(args.prompt_len, "--prompt-len"),
                                 parse_length_dist(args.output_len, "--output-len"), args.num_requests, args.rate,
                                 args.seed)
+    if args.save_trace is not None:
+        with open(args.save_trace, "w", encoding="utf-8") as f:
+            for r in trace:
+                f.write(json.dumps({"arrival_s": round(r.arrival_s, 4), "prompt_tokens": r.prompt_tokens,
+                                    "output_tokens": r.output_tokens, "max_tokens": r.max_tokens,
+                                    "prefix_group": r.prefix_group, "prefix_tokens": r.prefix_tokens}) + "\n")
     if args.buckets == "auto":
         sizes, shares = [max(max_model_len // d, 1) for d in (8, 4, 2, 1)], [1.0] * 4
     else:

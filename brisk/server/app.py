@@ -246,8 +246,7 @@ async def _respond(state: ServerState, raw: Request, body, fmt: Formatter, guard
     for g in guards:
         state.metrics.prompt_tokens.inc(g.prompt_tokens)
     if body.stream:
-        return StreamingResponse(run.sse(), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _RunStream(run, headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         result = await _until_disconnect(raw, run.collect())
     except ClientDisconnected:
@@ -255,6 +254,21 @@ async def _respond(state: ServerState, raw: Request, body, fmt: Formatter, guard
     finally:
         run.close()
     return JSONResponse(result, headers={**headers, "server-timing": run.server_timing()})
+
+
+class _RunStream(StreamingResponse):
+    """Server-sent events of a run; the run is closed (engine requests aborted, admission slot
+    freed) however the response ends — even if the client left before the first byte."""
+
+    def __init__(self, run: "_Run", headers: dict[str, str]):
+        super().__init__(run.sse(), media_type="text/event-stream", headers=headers)
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
