@@ -270,6 +270,9 @@ def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
     if data["needle"].get("control_found") and data["needle"].get("long_found") is False:
         warnings.append(f"a fact at the start of a {data['needle']['long_tokens']}-token prompt was not "
                         "recalled (it was at short length): check truncation or the model's long-context quality")
+        fixes.append("if the token counts agree (no truncation), the model itself loses early context: keep key "
+                     "facts near the end of the prompt, summarise old history, or use a model with a longer "
+                     "effective context")
     if o.sample_file:
         data["sample"] = _sample_ratio(counter, o.sample_file)
         if data["sample"].get("ratio_vs_english", 0) > 1.5:
