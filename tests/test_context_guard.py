@@ -160,17 +160,15 @@ def test_boundary_prompt_alone(demo, policy_server, excess):
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_truncate_oldest_e2e_reports_what_it_dropped(demo, policy_server):
-    policy, live = policy_server
-    if policy != "truncate-oldest":
-        pytest.skip("truncate-oldest server only")
+def test_truncate_oldest_e2e_reports_what_it_dropped(demo):
     msgs = [{"role": "system", "content": "You answer in one line."}]
     for i in range(6):
         msgs.append({"role": "user", "content": f"问题 {i}: " + "这是一个很长的历史消息。" * 3})
         msgs.append({"role": "assistant", "content": f"Answer {i} " + "with some words " * 4})
     msgs.append({"role": "user", "content": "Now, 最后一个问题: what is 2+2?"})
     assert len(demo.tokenizer.encode_chat(msgs)) > WINDOW
-    with live.client() as http:
+    with serve_engine(small_window_engine(demo), context_policy=ContextPolicy.TRUNCATE_OLDEST) as live, \
+            live.client() as http:
         r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200
         body = r.json()

@@ -1,5 +1,7 @@
 """e2e: a real uvicorn server on loopback, driven by the official `openai` SDK."""
 
+import json
+
 import pytest
 
 from brisk.engine.sampling_params import SamplingParams
@@ -177,3 +179,18 @@ def test_http_errors_are_openai_shaped(server):
     with server.client() as http:
         r = http.get("/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_request_log_feeds_kv_plan(demo, tmp_path):
+    from brisk.kvplan.trace import load_trace
+
+    log = tmp_path / "requests.jsonl"
+    with serve_engine(make_engine(demo), request_log=str(log)) as live, live.client() as http:
+        for n in (3, 5):
+            assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": n,
+                                                           "ignore_eos": True}).status_code == 200
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["output_tokens"] for r in rows] == [3, 5]
+    assert rows[0]["prompt_tokens"] == len(demo.tokenizer.encode_chat(CHAT)) and rows[0]["ttft_ms"] > 0
+    trace, skipped = load_trace(log)
+    assert skipped == 0 and [r.output_tokens for r in trace] == [3, 5] and trace[0].arrival_s == 0.0

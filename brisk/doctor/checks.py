@@ -5,6 +5,7 @@ not be measured is said so."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -75,7 +76,7 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
         retry_after = probe.headers.get("retry-after", retry_after)
         if isinstance(probe.body, dict) and probe.body.get("phase"):
             phases.append(probe.body["phase"])
-        time.sleep(min(float(retry_after or 0.5), 1.0) if str(retry_after or "").replace(".", "").isdigit() else 0.5)
+        time.sleep(_retry_delay(retry_after))
     waited = time.perf_counter() - start if loading_seen else 0.0
     still_loading = loading_seen and time.perf_counter() - start >= o.cold_wait_s
     timings = [p.stream_chat(o.model, SHORT_CHAT, 8) for _ in range(4)]
@@ -113,6 +114,14 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
     if missing:
         status = worst([status, UNKNOWN])
     return Finding("cold_start", status, summary, evidence, fixes, missing), data
+
+
+def _retry_delay(retry_after: str | None) -> float:
+    """Honour a numeric Retry-After, but poll at least once a second to time the load."""
+    try:
+        return min(max(float(retry_after), 0.1), 1.0)
+    except (TypeError, ValueError):
+        return 0.5
 
 
 def _timing_row(t: Timing) -> dict[str, Any]:
@@ -289,8 +298,8 @@ def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
                 "prefill_ms_per_1k_tokens": data.get("prefill_ms_per_1k_tokens"),
                 "truncated_points": len(truncated), "overlong_rejected": over.get("rejected"),
                 "needle": data["needle"], "sample": data.get("sample")}
-    if missing and status == OK:
-        status = worst([status, UNKNOWN]) if not good else OK
+    if not good and status == OK:  # nothing of the sweep succeeded: we cannot say it is fine
+        status = UNKNOWN
     return Finding("context", status, summary, evidence, list(dict.fromkeys(fixes)), missing), data
 
 
@@ -315,7 +324,7 @@ def _overlong_probe(p: Prober, o: Options, counter: TokenCounter, window: int, r
         out["accepted"] = True
     elif t.status in (400, 413, 422):
         out["rejected"] = True
-        out["message"] = error_message(t.body if isinstance(t.body, str) else __import__("json").dumps(t.body))
+        out["message"] = error_message(t.body if isinstance(t.body, str) else json.dumps(t.body))
     else:
         out["error"] = t.error or f"HTTP {t.status}"
     return out
