@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(or set BRISK_API_KEY)")
     srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (default 16 MiB)")
     srv.add_argument("--seed", type=int, default=None, help="seed of the sampler for unseeded requests")
+    srv.add_argument("--allow-priority", action="store_true",
+                     help="honour the request field `priority` (lower first); off by default, since any "
+                          "client could then jump the queue")
     srv.add_argument("--request-log", default=None,
                      help="append one JSON line per finished request (lengths, timings) to this file; "
                           "brisk kv-plan --trace reads it")

@@ -311,3 +311,24 @@ def test_extreme_valid_sampling_settings_do_not_kill_the_engine(server):
             r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
             assert r.status_code == 200, (extra, r.text)
         assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("allow", [True, False])
+def test_priority_only_when_the_operator_allows_it(demo, allow):
+    with serve_engine(make_engine(demo, max_num_seqs=1), allow_priority=allow) as live:
+        async def scenario():
+            order = []
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                async def ask(name, priority, delay):
+                    await asyncio.sleep(delay)
+                    body = {"messages": CHAT, "max_tokens": 4, "priority": priority}
+                    r = await http.post("/v1/chat/completions", json=body)
+                    order.append((name, r.status_code))
+
+                blocker = http.post("/v1/chat/completions", json={**LONG, "max_tokens": 60})
+                await asyncio.gather(blocker, ask("first-come", 0, 0.3), ask("urgent", -5, 0.6))
+            return order
+
+        order = asyncio.run(scenario())
+    names = [name for name, status in order if status == 200]
+    assert names == (["urgent", "first-come"] if allow else ["first-come", "urgent"])

@@ -313,8 +313,9 @@ class _Run:
         streams = []
         for index, _, ids, params in self.jobs:
             try:
+                priority = self.body.priority if self.state.config.allow_priority else 0
                 streams.append((index, await self.engine.add(ids, params, request_id=f"{self.fmt.id}-{index}",
-                                                             priority=self.body.priority)))
+                                                             priority=priority)))
             except Exception as e:
                 for _, stream in streams:
                     stream.close()

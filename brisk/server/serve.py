@@ -59,6 +59,7 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
             api_key=args.api_key or os.environ.get("BRISK_API_KEY") or None,
             max_request_bytes=args.max_request_bytes,
             request_log=args.request_log,
+            allow_priority=args.allow_priority,
         )
     except ValueError as e:
         raise BriskError(str(e)) from None

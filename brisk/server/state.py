@@ -47,6 +47,7 @@ class ServerConfig:
     max_request_bytes: int = 16 * 2**20
     retry_after_s: int = 2
     request_log: str | None = None  # JSONL path, one line per finished engine request
+    allow_priority: bool = False  # honour the request's `priority` (else any client could jump the queue)
 
     def __post_init__(self):
         if self.max_queued_requests < 0:
