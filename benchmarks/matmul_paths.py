@@ -4,7 +4,7 @@ For each number of tokens M, runs every linear of one decoder step (all layers +
 lm_head) and reports ms and GFLOP/s for both paths. Used to choose
 `brisk.models.linear`'s backend and threshold.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/matmul_paths.py
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/matmul_paths.py [--small-rows]
 """
 
 import time
@@ -46,5 +46,25 @@ def main():
                   f"| {t_torch / t_numpy:.2f}x |")
 
 
+
+
+def small_rows():
+    """2-16 rows (a few concurrent decodes): plain sgemm vs brisk's shaped path (sgemv per
+    row up to 4 rows, zero-padding to 8 for 5-7) over every linear of one step."""
+    from brisk.models.linear import _matmul
+
+    loaded = load(warmup=False)
+    arrays = [m.weight.numpy() for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    print("| rows | sgemm ms | brisk path ms | speedup |")
+    print("|---|---|---|---|")
+    for m in range(1, 17):
+        xs = {k: np.random.randn(m, k).astype(np.float32) for k in {a.shape[1] for a in arrays}}
+        t_gemm = bench(lambda: [np.matmul(xs[a.shape[1]], a.T) for a in arrays])
+        t_ours = bench(lambda: [_matmul(xs[a.shape[1]], a.T) for a in arrays])
+        print(f"| {m} | {t_gemm * 1e3:.1f} | {t_ours * 1e3:.1f} | {t_gemm / t_ours:.2f}x |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    small_rows() if "--small-rows" in sys.argv else main()
