@@ -41,7 +41,7 @@ def metrics_cost_us(n: int = 2000) -> float:
     """Time of the per-request metric updates the server does (one finished request, 64 tokens)."""
     from brisk.metrics.prometheus import ServerMetrics
 
-    m = ServerMetrics("bench")
+    m = ServerMetrics()
     metrics = {"ttft_ms": 50.0, "queue_ms": 1.0, "prefill_ms": 49.0, "decode_ms": 900.0, "e2e_ms": 950.0,
                "itl_ms": [15.0] * 63}
     start = time.perf_counter()
@@ -50,7 +50,7 @@ def metrics_cost_us(n: int = 2000) -> float:
         m.prompt_tokens.inc(38)
         for _ in range(64):
             m.generation_tokens.inc(1)
-        m.observe_finished("length", metrics, 64)
+        m.observe_finished("length", metrics)
         m.http_responses.labels("/v1/chat/completions", "200").inc()
     return (time.perf_counter() - start) / n * 1e6
 

@@ -81,12 +81,18 @@ def test_each_pathology_and_only_it_is_flagged(tmp_path, flags, area, needle):
 
 
 def test_doctor_quick_against_brisk_serve(demo, tmp_path):
+    sample = tmp_path / "sample.txt"
+    sample.write_text("大语言模型服务为什么第一个请求总是很慢？我们需要测量每一个阶段的时间。" * 5, encoding="utf-8")
     with serve_engine(make_engine(demo)) as live:
-        report = run_doctor(live.url, tmp_path, "--html", str(tmp_path / "report.html"))
+        report = run_doctor(live.url, tmp_path, "--html", str(tmp_path / "report.html"), "--sample-file",
+                            str(sample))
     assert report["model"] == "smollm2-135m-instruct"
     ctx = report["findings"]["context"]["evidence"]
     assert ctx["window"] == 1024 and ctx["exact_counts"] is True and ctx["overlong_rejected"] is True
     assert ctx["truncated_points"] == 0 and ctx["prefill_ms_per_1k_tokens"] > 0
+    # Chinese costs this English-centric tokenizer several tokens per character: reported, with the fix
+    assert ctx["sample"]["ratio_vs_english"] > 1.5 and ctx["sample"]["tokens"] > ctx["sample"]["chars"]
+    assert any("characters" in fix for fix in report["findings"]["context"]["fixes"])
     batching = report["findings"]["kv_batching"]["evidence"]
     assert batching["engine_metrics"] == "brisk" and batching["levels"] == [1, 2, 4]
     assert report["findings"]["network"]["status"] == "ok"

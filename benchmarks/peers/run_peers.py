@@ -228,7 +228,7 @@ def main() -> None:
                     f"{top['median_itl_ms']:.0f} ms | {top['failed']} |")
         print(rows[-1], flush=True)
     print()
-    print(f"| system | ready after start | " + " | ".join(f"tok/s @{c}" for c in levels) +
+    print("| system | ready after start | " + " | ".join(f"tok/s @{c}" for c in levels) +
           f" | TTFT p50 @{levels[-1]} | TTFT p99 @{levels[-1]} | ITL p50 @{levels[-1]} | failed @{levels[-1]} |")
     print("|---|---|" + "---|" * len(levels) + "---|---|---|---|")
     print("\n".join(rows))

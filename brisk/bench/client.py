@@ -35,7 +35,7 @@ async def send_streaming(http: httpx.AsyncClient, model: str, req: BenchRequest)
             record.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
-                record.error = f"HTTP {resp.status_code}: {_error_message(resp.text)}"
+                record.error = f"HTTP {resp.status_code}: {error_message(resp.text)}"
                 return record
             done = False
             async for line in resp.aiter_lines():
@@ -61,24 +61,32 @@ async def send_streaming(http: httpx.AsyncClient, model: str, req: BenchRequest)
     return record
 
 
+def chunk_content(chunk: dict[str, Any], chat: bool) -> tuple[str, dict[str, Any] | None, str | None]:
+    """One parsed SSE chunk of an OpenAI stream -> (generated text, usage if present, error if any)."""
+    if "error" in chunk:
+        return "", None, error_message(json.dumps(chunk))
+    text = ""
+    for choice in chunk.get("choices") or []:
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        text += piece or ""
+    return text, chunk.get("usage") or None, None
+
+
 def _consume_chunk(record: RequestRecord, chunk: dict[str, Any], chat: bool) -> None:
     now = time.perf_counter()
-    if "error" in chunk:
-        record.error = f"stream error: {_error_message(json.dumps(chunk))}"
+    text, usage, error = chunk_content(chunk, chat)
+    if error:
+        record.error = f"stream error: {error}"
         return
-    for choice in chunk.get("choices") or []:
-        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-        if text:
-            record.chunk_ts.append(now)
-            break
-    usage = chunk.get("usage")
+    if text:
+        record.chunk_ts.append(now)
     if usage:
         record.prompt_tokens = usage.get("prompt_tokens")
         record.output_tokens = usage.get("completion_tokens")
         record.server_timings = usage.get("brisk")
 
 
-def _error_message(text: str) -> str:
+def error_message(text: str) -> str:
     try:
         return json.loads(text)["error"]["message"][:200]
     except (ValueError, KeyError, TypeError):

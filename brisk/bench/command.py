@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np

@@ -31,7 +31,7 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         ok = [r for r in self.records if r.ok]
-        out = {"label": self.label, self.knob if self.knob != "replay" else "replay": self.value,
+        out = {"label": self.label, self.knob: self.value,
                **self.summary.to_dict()}
         for name in ("ttft", "tpot", "itl", "e2el"):
             values = {"ttft": [r.ttft_s for r in ok], "tpot": [r.tpot_s for r in ok],

@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -193,9 +194,6 @@ class TokenCounter:
         probe = p.post_json("/tokenize", {"model": model, "messages": SHORT_CHAT})
         self.exact = probe.ok and isinstance(probe.body, dict) and "count" in probe.body
         self.window = probe.body.get("max_model_len") if self.exact else None
-        self.overhead = 0
-        if self.exact:
-            self.overhead = probe.body["count"] - len(self._tokens_of(SHORT_CHAT[0]["content"]) or [])
 
     def _tokens_of(self, text: str):
         r = self.p.post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
@@ -358,7 +356,7 @@ ENGLISH_REFERENCE = ("Large language model servers are often slow for three reas
 
 def _sample_ratio(counter: TokenCounter, path: str) -> dict:
     try:
-        text = open(path, encoding="utf-8").read()[:20000]
+        text = Path(path).read_text(encoding="utf-8")[:20000]
     except OSError as e:
         return {"error": f"{path}: {e.strerror or e}"}
     n, ref = counter.text(text), counter.text(ENGLISH_REFERENCE)

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from brisk.bench.client import chunk_content, error_message
 from brisk.errors import BriskError
 
 
@@ -148,23 +149,15 @@ class Prober:
 
     @staticmethod
     def _chunk(timing: Timing, chunk: dict, at: float) -> None:
-        if "error" in chunk:
-            timing.error = f"stream error: {error_message(json.dumps(chunk))}"
+        text, usage, error = chunk_content(chunk, chat=True)
+        if error:
+            timing.error = f"stream error: {error}"
             return
-        for choice in chunk.get("choices") or []:
-            piece = (choice.get("delta") or {}).get("content")
-            if piece:
-                timing.chunk_ts.append(at)
-                timing.text += piece
-        if chunk.get("usage"):
-            timing.usage = chunk["usage"]
-
-
-def error_message(text: str) -> str:
-    try:
-        return json.loads(text)["error"]["message"][:300]
-    except (ValueError, KeyError, TypeError):
-        return text[:300]
+        if text:
+            timing.chunk_ts.append(at)
+            timing.text += text
+        if usage:
+            timing.usage = usage
 
 
 def describe(e: httpx.HTTPError, url: str) -> str:

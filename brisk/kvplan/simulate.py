@@ -65,6 +65,7 @@ class Allocator(Protocol):
     def used(self) -> int: ...  # tokens of K/V actually stored (a shared prefix counts once)
     def reserved_unused(self) -> int: ...  # held for future tokens of a reservation
     def fits_ignoring_layout(self, s: _Seq) -> bool: ...  # enough free memory in total
+    def ever_fits(self, s: _Seq) -> bool: ...  # fits an empty cache at all
 
 
 # -- contiguous (first-fit) -------------------------------------------------------------------------
@@ -113,6 +114,9 @@ class ContiguousAllocator:
 
     def fits_ignoring_layout(self, s: _Seq) -> bool:
         return self.capacity - self.allocated() >= self.reservation(s)
+
+    def ever_fits(self, s: _Seq) -> bool:
+        return self.reservation(s) <= self.capacity
 
 
 # -- bucketed pools ---------------------------------------------------------------------------------
@@ -172,6 +176,9 @@ class BucketAllocator:
     def fits_ignoring_layout(self, s: _Seq) -> bool:
         free = self.capacity - sum(u * size for u, size in zip(self.used_slots, self.sizes))
         return free >= self._need(s) and self._need(s) <= self.sizes[-1]
+
+    def ever_fits(self, s: _Seq) -> bool:
+        return self._need(s) <= self.sizes[-1]
 
     def rebalance(self, waiting: list[_Seq]) -> None:
         """Re-cut the free memory into slots where the demand is (used + waiting per bucket)."""
@@ -264,6 +271,9 @@ class PagedAllocator:
     def fits_ignoring_layout(self, s: _Seq) -> bool:
         return False  # any free block serves any request: no external fragmentation
 
+    def ever_fits(self, s: _Seq) -> bool:
+        return math.ceil((s.req.prompt_tokens + s.req.output_tokens) / self.block_size) <= self.num_blocks
+
 
 # -- the step loop ----------------------------------------------------------------------------------
 @dataclass
@@ -324,7 +334,7 @@ def simulate(trace: list[TraceRequest], alloc: Allocator, cfg: SimConfig, strate
     while (pending or waiting or running) and step < cfg.max_steps:
         while pending and pending[0].arrival_step <= step:
             s = pending.popleft()
-            if s.req.prompt_tokens + s.req.output_tokens > cfg.max_model_len or not _ever_fits(alloc, s, cfg):
+            if s.req.prompt_tokens + s.req.output_tokens > cfg.max_model_len or not alloc.ever_fits(s):
                 rejected += 1
                 continue
             waiting.append(s)
@@ -384,17 +394,6 @@ def _retry_after_rebalance(alloc: Allocator, s: _Seq, waiting, rebalance_every: 
         return False
     alloc.rebalance(list(waiting))
     return alloc.admit(s, s.need_on_admit)
-
-
-def _ever_fits(alloc: Allocator, s: _Seq, cfg: SimConfig) -> bool:
-    total = s.req.prompt_tokens + s.req.output_tokens
-    if isinstance(alloc, ContiguousAllocator):
-        return alloc.reservation(s) <= alloc.capacity
-    if isinstance(alloc, BucketAllocator):
-        return s.req.prompt_tokens + s.max_tokens <= alloc.sizes[-1]
-    if isinstance(alloc, PagedAllocator):
-        return math.ceil(total / alloc.block_size) <= alloc.num_blocks
-    return total <= cfg.capacity_tokens
 
 
 def _grow_running(alloc: Allocator, running: list[_Seq], waiting: deque) -> int:

@@ -28,10 +28,9 @@ _PHASE_HISTOGRAMS = {  # RequestOutput.metrics key -> (metric name, help)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.model_name = model_name
         self.requests = Counter("brisk:request_success", "Finished requests by finish_reason.",
                                 ["finish_reason"], registry=r)
         self.http_responses = Counter("brisk:http_responses", "HTTP responses by route and status code.",
@@ -72,7 +71,7 @@ class ServerMetrics:
             self.load_phase.labels(phase).observe(ms / 1e3)
         self.load_seconds.set(total_ms / 1e3)
 
-    def observe_finished(self, finish_reason: str | None, metrics: dict[str, Any], num_tokens: int) -> None:
+    def observe_finished(self, finish_reason: str | None, metrics: dict[str, Any]) -> None:
         """One finished engine request (one choice), from the engine's own timestamps."""
         self.requests.labels(finish_reason or "abort").inc()
         for key, histogram in self.phases.items():

@@ -50,6 +50,8 @@ def create_app(state: ServerState) -> FastAPI:
             await asyncio.to_thread(state.engine.shutdown)
         if state.tracer is not None:
             await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
+        if state.request_log is not None:
+            state.request_log.close()
 
     app = FastAPI(title="brisk", version=_version(), lifespan=lifespan)
     app.state.brisk = state
@@ -360,7 +362,7 @@ class _Run:
 
     def _finished(self, index: int, out: RequestOutput) -> None:
         self.finals[index] = out
-        self.state.metrics.observe_finished(out.finish_reason, out.metrics, len(out.token_ids))
+        self.state.metrics.observe_finished(out.finish_reason, out.metrics)
 
     async def collect(self) -> dict[str, Any]:
         try:

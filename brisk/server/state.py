@@ -67,7 +67,7 @@ class ServerState:
     def __init__(self, config: ServerConfig, engine_factory: EngineFactory | None = None,
                  engine: AsyncLLMEngine | None = None, tracer: RequestTracer | None = None):
         self.config = config
-        self.metrics = ServerMetrics(config.served_model_name)
+        self.metrics = ServerMetrics()
         self.tracer = tracer  # None: no tracing work at all
         self.request_log = RequestLog(config.request_log) if config.request_log else None
         self.report = LoadReport()
@@ -183,6 +183,9 @@ class RequestLog:
 
     def write(self, row: dict) -> None:
         self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _version() -> str:
