@@ -45,10 +45,13 @@ class Sampler:
                 _apply_penalties(logits[i], request)
         num_top = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
         logprobs_all = torch.log_softmax(logits, dim=-1) if num_top is not None else None
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        if greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        if len(greedy) == len(requests):  # all greedy: no copy of the [N, vocab] logits
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            if greedy:
+                token_ids[greedy] = logits[greedy].argmax(dim=-1)
         for i, request in enumerate(requests):
             if not request.params.greedy:
                 probs = _filtered_probs(logits[i], request)
