@@ -140,3 +140,27 @@ def test_bench_unreachable_is_one_line():
     proc = subprocess.run([sys.executable, "-m", "brisk", "bench", "http://127.0.0.1:9"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "cannot reach" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sharegpt_and_shared_prefix_workloads(tmp_path):
+    from brisk.bench.workloads import shared_prefix, sharegpt
+
+    data = [{"conversations": [{"from": "human", "value": "What is a river?"},
+                               {"from": "gpt", "value": "A river is a natural stream of water."}]},
+            {"conversations": [{"from": "human", "value": "only one turn"}]},
+            {"id": "no conversations at all"}]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    reqs = sharegpt(path, np.random.default_rng(0), 3, None, 100, {"temperature": 0})
+    assert [r.messages[0]["content"] for r in reqs] == ["What is a river?"] * 3  # the usable one, cycled
+    assert reqs[0].max_tokens == 8  # the reply's length (words, without a tokenizer)
+    path.write_text("[]")
+    with pytest.raises(BriskError, match="no conversations"):
+        sharegpt(path, np.random.default_rng(0), 1, None, 100, {})
+
+    maker = PromptMaker(np.random.default_rng(1))
+    reqs = shared_prefix(maker, np.random.default_rng(2), 6, 2, 30, parse_length_dist("5", "x"),
+                         parse_length_dist("4", "x"), {})
+    heads = [" ".join(r.prompt.split()[:30]) for r in reqs]
+    assert heads[0] == heads[2] == heads[4] and heads[1] == heads[3] == heads[5] and heads[0] != heads[1]
+    assert all(len(r.prompt.split()) == 35 for r in reqs)
