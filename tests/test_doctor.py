@@ -60,7 +60,7 @@ HEALTHY = {"network": "ok", "cold_start": "ok", "kv_batching": "ok", "context": 
 @pytest.mark.parametrize("flags,area,needle", [
     ({}, None, None),
     ({"truncate_to": 256}, "context", "silent truncation"),
-    ({"cold_start_s": 2.5, "first_request_delay_s": 1.0}, "cold_start", "503"),
+    ({"cold_start_s": 4.0, "first_request_delay_s": 2.5}, "cold_start", "503"),
     ({"buffered": True}, "network", "buffered"),
     ({"serial": True}, "kv_batching", "one at a time"),
 ], ids=["healthy", "truncates", "cold-start", "buffering-proxy", "serial-queue"])
