@@ -164,3 +164,25 @@ def test_sharegpt_and_shared_prefix_workloads(tmp_path):
     heads = [" ".join(r.prompt.split()[:30]) for r in reqs]
     assert heads[0] == heads[2] == heads[4] and heads[1] == heads[3] == heads[5] and heads[0] != heads[1]
     assert all(len(r.prompt.split()) == 35 for r in reqs)
+
+
+def test_bench_rate_and_replay_modes(server, tmp_path):
+    out = tmp_path / "rate.json"
+    proc = subprocess.run([sys.executable, "-m", "brisk", "bench", server.url, "--request-rate", "8",
+                           "--num-requests", "6", "--warmup", "0", "--input-len", "16", "--output-len", "4",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["completed"] == 6 and run["rate"] == 8
+    offsets = run["send_offsets"]
+    assert offsets == sorted(offsets) and offsets[-1] > 0.1  # Poisson arrivals, not all at once
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_tokens": 20, "output_tokens": n}) + "\n"
+                             for t, n in ((0.0, 3), (0.5, 5), (0.6, 2))))
+    out = tmp_path / "replay.json"
+    proc = subprocess.run([sys.executable, "-m", "brisk", "bench", server.url, "--workload", "replay", "--trace",
+                           str(trace), "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["output_lens"] == [3, 5, 2] and run["input_lens"] == [20, 20, 20]
+    assert run["send_offsets"][1] >= 0.45  # sent at the trace's own times

@@ -127,8 +127,7 @@ def guard_chat(messages: list[dict[str, Any]], encode: Callable[[list[dict[str, 
 def _droppable_indices(messages: list[dict[str, Any]]) -> list[int]:
     """Oldest first: every message except system/developer ones and the last user message."""
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=len(messages) - 1)
-    return [i for i, m in enumerate(messages)
-            if i != last_user and m.get("role") not in ("system", "developer") and i < last_user]
+    return [i for i, m in enumerate(messages[:last_user]) if m.get("role") not in ("system", "developer")]
 
 
 def _drop(messages: list[dict[str, Any]], indices: list[int]) -> list[dict[str, Any]]:
