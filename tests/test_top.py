@@ -21,21 +21,19 @@ def test_histogram_quantile_interpolates_like_prometheus():
     assert histogram_quantile(0.5, []) is None and histogram_quantile(0.5, [(1.0, 0.0)]) is None
 
 
+def scrape(ts: float, tokens: float, ttft_fast: float, ttft_all: float, queries: float, hits: float,
+           stopped: float) -> Scrape:
+    """A scrape with TTFT buckets le=0.1 (fast) and le=1.0 / +Inf (all)."""
+    ttft = "brisk:time_to_first_token_seconds_bucket"
+    return Scrape(ts, {("brisk:generation_tokens_total", ()): tokens, (ttft, (("le", "0.1"),)): ttft_fast,
+                       (ttft, (("le", "1.0"),)): ttft_all, (ttft, (("le", "+Inf"),)): ttft_all,
+                       ("brisk:prefix_cache_queries_total", ()): queries, ("brisk:prefix_cache_hits_total", ()): hits,
+                       ("brisk:request_success_total", (("finish_reason", "stop"),)): stopped})
 
 
 def test_summarize_uses_deltas_between_scrapes():
-    prev = Scrape(0.0, {("brisk:generation_tokens_total", ()): 100.0,
-                        ("brisk:time_to_first_token_seconds_bucket", (("le", "0.1"),)): 5.0,
-                        ("brisk:time_to_first_token_seconds_bucket", (("le", "1.0"),)): 5.0,
-                        ("brisk:time_to_first_token_seconds_bucket", (("le", "+Inf"),)): 5.0,
-                        ("brisk:prefix_cache_queries_total", ()): 100.0, ("brisk:prefix_cache_hits_total", ()): 0.0,
-                        ("brisk:request_success_total", (("finish_reason", "stop"),)): 3.0})
-    cur = Scrape(2.0, {("brisk:generation_tokens_total", ()): 300.0,
-                       ("brisk:time_to_first_token_seconds_bucket", (("le", "0.1"),)): 5.0,
-                       ("brisk:time_to_first_token_seconds_bucket", (("le", "1.0"),)): 9.0,
-                       ("brisk:time_to_first_token_seconds_bucket", (("le", "+Inf"),)): 9.0,
-                       ("brisk:prefix_cache_queries_total", ()): 300.0, ("brisk:prefix_cache_hits_total", ()): 50.0,
-                       ("brisk:request_success_total", (("finish_reason", "stop"),)): 7.0})
+    prev = scrape(0.0, tokens=100, ttft_fast=5, ttft_all=5, queries=100, hits=0, stopped=3)
+    cur = scrape(2.0, tokens=300, ttft_fast=5, ttft_all=9, queries=300, hits=50, stopped=7)
     view = summarize(prev, cur)
     assert view["generation_tokens_per_s"] == 100.0 and view["requests_per_s"] == 2.0
     # the 4 new TTFTs all fell in (0.1, 1.0]: the old 5 fast ones no longer count

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from brisk.bench.metrics import RequestRecord, Summary
+from brisk.plotting import pyplot, save_png
 
 SCHEMA_VERSION = 1
 LAG_WARNING_MS = 20.0
@@ -94,10 +95,7 @@ def write_csv(path: Path, results: list[RunResult]) -> None:
 
 
 def write_plots(directory: Path, results: list[RunResult]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -119,10 +117,7 @@ def write_plots(directory: Path, results: list[RunResult]) -> list[Path]:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(directory / "latency_cdf.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save_png(fig, directory / "latency_cdf.png"))
     swept = [r for r in results if r.value is not None]
     if len(swept) > 1:
         fig, ax1 = plt.subplots(figsize=(7, 4.2))
@@ -137,8 +132,5 @@ def write_plots(directory: Path, results: list[RunResult]) -> list[Path]:
         ax1.set_title(f"throughput and TTFT vs {swept[0].knob}")
         ax1.grid(alpha=0.3)
         fig.legend(loc="upper left")
-        fig.tight_layout()
-        written.append(directory / f"throughput_vs_{swept[0].knob}.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(save_png(fig, directory / f"throughput_vs_{swept[0].knob}.png"))
     return written

@@ -3,14 +3,13 @@ with the plots inlined as PNG."""
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 from pathlib import Path
 from typing import Any
 
 from brisk.doctor.checks import Finding
+from brisk.plotting import png_base64, pyplot
 
 SCHEMA_VERSION = 1
 _STYLE = {"ok": "green", "warning": "yellow", "problem": "bold red", "unknown": "dim"}
@@ -46,18 +45,9 @@ def _overall(findings: list[Finding]) -> str:
     return worst(f.status for f in findings)
 
 
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def plots(measurements: dict[str, Any]) -> dict[str, str]:
     """Name -> base64 PNG, for what was measured."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out = {}
     sweep = [r for r in (measurements.get("context") or {}).get("sweep", []) if r.get("ttft_s") and r.get("client_tokens")]
@@ -74,9 +64,7 @@ def plots(measurements: dict[str, Any]) -> dict[str, str]:
         ax.set_title("TTFT vs prompt length")
         ax.grid(alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        out["ttft_vs_prompt"] = _png(fig)
-        plt.close(fig)
+        out["ttft_vs_prompt"] = png_base64(fig)
     levels = (measurements.get("concurrency") or {}).get("levels", [])
     levels = [r for r in levels if r.get("ttft_p50_s") is not None]
     if levels:
@@ -93,9 +81,7 @@ def plots(measurements: dict[str, Any]) -> dict[str, str]:
         ax.set_title("latency and throughput vs concurrency")
         ax.grid(alpha=0.3)
         fig.legend(loc="upper left", fontsize=8)
-        fig.tight_layout()
-        out["latency_vs_concurrency"] = _png(fig)
-        plt.close(fig)
+        out["latency_vs_concurrency"] = png_base64(fig)
     phases = _phase_breakdown(measurements)
     if phases:
         fig, ax = plt.subplots(figsize=(6.4, 2.6))
@@ -106,9 +92,7 @@ def plots(measurements: dict[str, Any]) -> dict[str, str]:
         ax.set_xlabel("ms")
         ax.set_title("where a request's time goes")
         ax.legend(fontsize=8, loc="lower right")
-        fig.tight_layout()
-        out["phase_breakdown"] = _png(fig)
-        plt.close(fig)
+        out["phase_breakdown"] = png_base64(fig)
     return out
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from brisk.kvplan.fit import LengthFit
 from brisk.kvplan.simulate import SimResult
 from brisk.kvplan.trace import TraceRequest
+from brisk.plotting import pyplot, save_png
 
 
 def fit_table(fits: dict[str, LengthFit]):
@@ -49,10 +50,7 @@ def strategy_table(results: list[SimResult]):
 
 def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, LengthFit],
                 results: list[SimResult]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -66,10 +64,7 @@ def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, Leng
         ax.set_title(f"{name} (KS D={fit.ks_statistic:.3f})")
         ax.set_xlabel("tokens")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(directory / "length_fit.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save_png(fig, directory / "length_fit.png"))
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
     for r in results:
@@ -82,10 +77,7 @@ def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, Leng
     ax.set_title("KV memory held over the trace")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    written.append(directory / "memory_over_time.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save_png(fig, directory / "memory_over_time.png"))
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
     labels = [r.strategy for r in results]
@@ -100,8 +92,5 @@ def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, Leng
     ax.set_xlabel("share of the memory budget (mean over all steps)")
     ax.set_title("where the memory goes")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(directory / "waste_breakdown.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save_png(fig, directory / "waste_breakdown.png"))
     return written

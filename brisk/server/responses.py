@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from brisk.engine.outputs import RequestOutput
 from brisk.server.context_guard import GuardResult
@@ -65,6 +65,16 @@ class Formatter:
     def chunks(self, index: int, out: RequestOutput, body) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def _stream_chunk(self, index: int, out: RequestOutput, body, has_text: bool,
+                      fields: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+        """One choice's chunk; none when there is nothing to send (no text, logprobs or finish)."""
+        if not has_text and not out.finished and not (self.want_logprobs and out.delta_token_ids):
+            return []
+        choice = {"index": index, **fields(), "finish_reason": out.finish_reason if out.finished else None}
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        return [self._envelope(self.object_chunk, [choice], **self._usage_field(body))]
+
     def full_response(self, finals, jobs, guards, usage) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -100,14 +110,9 @@ class ChatFormatter(Formatter):
         return chunks
 
     def chunks(self, index, out, body):
-        if not out.delta_text and not out.finished and not (self.want_logprobs and out.delta_token_ids):
-            return []
-        delta = {"content": out.delta_text} if out.delta_text else {}
-        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(_delta_logprobs(out)),
-                  "finish_reason": out.finish_reason if out.finished else None}
-        if out.finished:
-            choice["stop_reason"] = out.stop_reason
-        return [self._envelope(self.object_chunk, [choice], **self._usage_field(body))]
+        return self._stream_chunk(index, out, body, bool(out.delta_text), lambda: {
+            "delta": {"content": out.delta_text} if out.delta_text else {},
+            "logprobs": self._logprobs(_delta_logprobs(out))})
 
     def full_response(self, finals, jobs, guards, usage):
         choices = []
@@ -147,14 +152,9 @@ class CompletionFormatter(Formatter):
     def chunks(self, index, out, body):
         first = len(out.token_ids) == len(out.delta_token_ids)
         text = (self._echo_text(out) if first else "") + out.delta_text
-        if not text and not out.finished and not (self.want_logprobs and out.delta_token_ids):
-            return []
         offset = len(out.text) - len(out.delta_text)
-        choice = {"index": index, "text": text, "logprobs": self._logprobs(_delta_logprobs(out), offset),
-                  "finish_reason": out.finish_reason if out.finished else None}
-        if out.finished:
-            choice["stop_reason"] = out.stop_reason
-        return [self._envelope(self.object_chunk, [choice], **self._usage_field(body))]
+        return self._stream_chunk(index, out, body, bool(text), lambda: {
+            "text": text, "logprobs": self._logprobs(_delta_logprobs(out), offset)})
 
     def full_response(self, finals, jobs, guards, usage):
         choices = []
