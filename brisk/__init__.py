@@ -12,3 +12,15 @@ __version__ = "0.1.0"
 # 55 tok/s passive. The policy is read when torch loads, so set it before that.
 if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# `brisk.LLM` and `brisk.SamplingParams`, loaded on first use: `import brisk` stays cheap
+# (the server opens its socket before torch is imported).
+_LAZY = {"LLM": "brisk.llm", "SamplingParams": "brisk.engine.sampling_params"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'brisk' has no attribute {name!r}")

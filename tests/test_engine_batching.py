@@ -2,6 +2,8 @@
 under a KV pool so small that preemption happens), agreement with the simple path,
 sampling, stop strings, aborts and prefix sharing."""
 
+import math
+
 import pytest
 
 from brisk.config import CacheConfig
@@ -145,6 +147,26 @@ def test_logprobs_and_penalties(demo):
                                                      presence_penalty=1.0, ignore_eos=True))[0]
     repeats = lambda ids: max(ids.count(t) for t in ids)  # noqa: E731
     assert penalized != plain and repeats(penalized) < repeats(plain)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_extreme_repetition_penalty_keeps_logprobs_finite(demo, temperature):
+    """A valid but extreme penalty divides logits into inf (NaN after inf - inf); logprobs must
+    stay finite numbers (JSON has no NaN) and floor at -9999 like OpenAI's."""
+    engine = make_engine(demo)
+    prompt = demo.tokenizer.encode_chat([{"role": "user", "content": "hello hello"}])
+    for penalty in (1e-30, 1e-300):
+        params = SamplingParams(max_tokens=3, temperature=temperature, repetition_penalty=penalty, logprobs=5)
+        engine.add_request(prompt, params)
+        final = [o for o in iter_steps(engine) if o.finished][0]
+        values = [e["logprob"] for e in final.logprobs] + [lp for e in final.logprobs for _, lp in e["top"]]
+        assert len(final.token_ids) == 3
+        assert all(math.isfinite(v) and -9999.0 <= v <= 0.0 for v in values), values
+
+
+def iter_steps(engine):
+    while engine.has_unfinished_requests():
+        yield from engine.step()
 
 
 def test_abort_frees_blocks(demo, prompts64):

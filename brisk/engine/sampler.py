@@ -9,6 +9,8 @@ import torch
 
 from brisk.engine.request import Request
 
+MIN_LOGPROB = -9999.0
+
 
 @dataclass
 class SamplerOutput:
@@ -58,6 +60,8 @@ class Sampler:
                 token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request))[0]
         if logprobs_all is None:
             return SamplerOutput(token_ids, None, None, None)
+        # floored like OpenAI/vLLM: a token the model all but rules out reports -9999, not -1e30
+        logprobs_all.clamp_(min=MIN_LOGPROB)
         chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]
         top_logprobs, top_ids = logprobs_all.topk(max(num_top, 1), dim=-1)
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
@@ -74,6 +78,10 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
     if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
         ids, counts = torch.tensor(request.output_token_ids, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    # a repetition penalty near 0 divides logits into +-inf (and inf - inf is NaN): keep the row
+    # finite so argmax, log_softmax and the JSON of logprobs stay well defined
+    big = torch.finfo(row.dtype).max / 4
+    row.nan_to_num_(nan=-big, posinf=big, neginf=-big)
 
 
 def _filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:
