@@ -17,6 +17,7 @@ from brisk.errors import BriskError, ModelLoadError
 from brisk.loading import gguf_convert, safetensors_io
 from brisk.loading.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
+from brisk.models.linear import Linear
 from brisk.models.llama import LlamaForCausalLM
 from brisk.models.registry import resolve
 from brisk.models.simple_cache import SingleSequenceCache
@@ -145,6 +146,9 @@ def _to_cuda(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torc
 
 
 def _warmup(model: LlamaForCausalLM, cfg: ModelConfig, device, dtype) -> None:
+    for module in model.modules():  # oneDNN weight layouts now, not on the first request
+        if isinstance(module, Linear):
+            module.prepare()
     cache = SingleSequenceCache(cfg, max_len=8, dtype=dtype, device=device)
     ids = torch.zeros(8, dtype=torch.long, device=device)
     with torch.inference_mode():
