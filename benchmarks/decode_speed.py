@@ -17,7 +17,6 @@ import subprocess
 import tempfile
 import time
 
-import brisk  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 import numpy as np
 
 C_READ_LOOP = r"""

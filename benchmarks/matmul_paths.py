@@ -1,12 +1,14 @@
-"""Per-shape matmul paths for the demo model's linears: torch F.linear vs numpy (OpenBLAS).
+"""Per-shape matmul paths for the demo model's linears: torch `F.linear`, numpy (OpenBLAS),
+and oneDNN with weights packed once (`brisk.models.linear`'s path).
 
-For each number of tokens M, runs every linear of one decoder step (all layers +
-lm_head) and reports ms and GFLOP/s for both paths. Used to choose
-`brisk.models.linear`'s backend and threshold.
+For each number of rows M, runs every linear of one decoder step (all layers + lm_head)
+and reports ms per path and the best path's GB/s (M=1) or GFLOP/s. Used to choose
+`brisk.models.linear`'s backend.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/matmul_paths.py [--small-rows]
+    .venv/bin/python benchmarks/matmul_paths.py [--rows 1,2,4,8,16,32,64,128,256,512,1024]
 """
 
+import argparse
 import time
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.loading.loader import load
+from brisk.models.linear import PACK_ROWS_HINT
 
 
 def bench(fn, runs=5):
@@ -25,46 +28,28 @@ def bench(fn, runs=5):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,1024")
+    args = parser.parse_args()
     loaded = load(warmup=False)
-    weights = [m.weight for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    arrays = [w.numpy() for w in weights]
+    weights = [m.weight.detach() for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    arrays_t = [w.numpy().T for w in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
     nbytes = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of fp32 weights, torch threads {torch.get_num_threads()}")
-    print("| tokens | torch F.linear ms | GB/s or GFLOP/s | numpy ms | GB/s or GFLOP/s | numpy speedup |")
+    print("| rows | F.linear ms | numpy ms | oneDNN packed ms | packed vs numpy | packed rate |")
     print("|---|---|---|---|---|---|")
     with torch.inference_mode():
-        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        for m in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
-            t_torch = bench(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
-            t_numpy = bench(lambda: [np.matmul(xs[a.shape[1]].numpy(), a.T) for a in arrays])
-            flops = 2 * m * nbytes / 4
-
-            def rate(t):
-                return f"{nbytes / t / 1e9:.1f} GB/s" if m == 1 else f"{flops / t / 1e9:.0f} GFLOP/s"
-
-            print(f"| {m} | {t_torch * 1e3:.1f} | {rate(t_torch)} | {t_numpy * 1e3:.1f} | {rate(t_numpy)} "
-                  f"| {t_torch / t_numpy:.2f}x |")
-
-
-
-
-def small_rows():
-    """2-16 rows (a few concurrent decodes): plain sgemm vs brisk's shaped path (sgemv per
-    row up to 4 rows, zero-padding to 8 for 5-7) over every linear of one step."""
-    from brisk.models.linear import _matmul
-
-    loaded = load(warmup=False)
-    arrays = [m.weight.numpy() for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    print("| rows | sgemm ms | brisk path ms | speedup |")
-    print("|---|---|---|---|")
-    for m in range(1, 17):
-        xs = {k: np.random.randn(m, k).astype(np.float32) for k in {a.shape[1] for a in arrays}}
-        t_gemm = bench(lambda: [np.matmul(xs[a.shape[1]], a.T) for a in arrays])
-        t_ours = bench(lambda: [_matmul(xs[a.shape[1]], a.T) for a in arrays])
-        print(f"| {m} | {t_gemm * 1e3:.1f} | {t_ours * 1e3:.1f} | {t_gemm / t_ours:.2f}x |", flush=True)
+            t_torch = bench(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights])
+            t_numpy = bench(lambda xs=xs: [xs[a.shape[0]].numpy() @ a for a in arrays_t])
+            t_packed = bench(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                            for w, p in zip(weights, packed)])
+            rate = f"{nbytes / t_packed / 1e9:.0f} GB/s" if m == 1 else f"{2 * m * nbytes / 4 / t_packed / 1e9:.0f} GFLOP/s"
+            print(f"| {m} | {t_torch * 1e3:.1f} | {t_numpy * 1e3:.1f} | {t_packed * 1e3:.1f} "
+                  f"| {t_numpy / t_packed:.2f}x | {rate} |", flush=True)
 
 
 if __name__ == "__main__":
-    import sys
-
-    small_rows() if "--small-rows" in sys.argv else main()
+    main()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import brisk  # noqa: F401  (OpenMP wait policy before torch loads)
 import torch
 
 from brisk.engine.sampling_params import SamplingParams

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import brisk  # noqa: F401  (OpenMP wait policy before torch loads)
 from brisk.engine.sampling_params import SamplingParams
 from brisk.llm import LLM
 
