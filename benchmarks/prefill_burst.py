@@ -2,7 +2,7 @@
 prefix caching on vs off. Bounds the TTFT any scheduler can give the last request of a
 burst on this machine (DESIGN.md: fp32 matmuls are compute-bound near the CPU's peak).
 
-    .venv/bin/python benchmarks/prefill_burst.py [--n 64] [--budget 2048]
+    .venv/bin/python benchmarks/prefill_burst.py [--n 64] [--budget 2048] [--block-sizes 16,8]
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--block-sizes", default="16", help="comma-separated KV block sizes to compare")
     args = parser.parse_args()
-    print("| prefix caching | prompt tokens | computed tokens | burst prefill s | computed tok/s |")
-    print("|---|---|---|---|---|")
-    for prefix in (True, False):
+    print("| block size | prefix caching | prompt tokens | computed tokens | burst prefill s | computed tok/s |")
+    print("|---|---|---|---|---|---|")
+    for block_size, prefix in [(int(b), p) for b in args.block_sizes.split(",") for p in (True, False)]:
         llm = LLM(max_model_len=2048, max_num_seqs=args.n, max_num_batched_tokens=args.budget,
-                  enable_prefix_caching=prefix)
+                  enable_prefix_caching=prefix, block_size=block_size)
         llm.generate([llm.tokenizer.encode("warm up")], SamplingParams(max_tokens=1))
         llm.engine.kv.pool.reset_prefix_cache()
         ids = [llm.tokenizer.encode_chat([{"role": "user", "content": f"Tell me about {TOPICS[i % 16]} (#{i})."}])
@@ -37,7 +38,7 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         total = sum(map(len, ids))
         computed = total - (llm.engine.stats().prefix_cache_hits_tokens - hits_before)
-        print(f"| {'on' if prefix else 'off'} | {total} | {computed} | {elapsed:.2f} | {computed / elapsed:.0f} |",
+        print(f"| {block_size} | {'on' if prefix else 'off'} | {total} | {computed} | {elapsed:.2f} | {computed / elapsed:.0f} |",
               flush=True)
 
 

@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from brisk import __version__
+from brisk.config import DEFAULT_BLOCK_SIZE
 from brisk.errors import BriskError
 
 EXIT_USER_ERROR = 2
@@ -26,7 +27,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size, e.g. 2GiB (default: 20%% of available memory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable KV prefix sharing")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from brisk.config import CacheConfig
+from brisk.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from brisk.engine.engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
@@ -14,7 +14,7 @@ from brisk.loading.loader import load
 
 class LLM:
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
-                 max_model_len: int | None = None, block_size: int = 16, kv_cache_memory: int | None = None,
+                 max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_memory: int | None = None,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, seed: int = 0):
         self.loaded = load(model, device=device, dtype=dtype, max_model_len=max_model_len)
