@@ -30,13 +30,16 @@ def _onednn_enabled() -> bool:
 
 
 ONEDNN_ENABLED = _onednn_enabled()
-_PACKABLE = (torch.float32, torch.bfloat16)
+# bf16 only where the CPU has native bf16 dot products; elsewhere oneDNN would emulate them
+_PACKABLE = (torch.float32, torch.bfloat16) if ONEDNN_ENABLED and getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() \
+    else (torch.float32,)
 
 
 class Linear(nn.Linear):
     """`nn.Linear` whose CPU matmul runs on weights packed once for oneDNN."""
 
     _packed: torch.Tensor | None = None
+    _pack_failed = False
 
     def prepare(self) -> None:
         """Pack the weights now (the loader calls this, so the first request doesn't pay)."""
@@ -44,16 +47,19 @@ class Linear(nn.Linear):
             self._packed_weight()
 
     def _packable(self, x: torch.Tensor) -> bool:
-        return (ONEDNN_ENABLED and x.device.type == "cpu" and self.weight.device.type == "cpu"
-                and self.weight.dtype in _PACKABLE and x.dtype == self.weight.dtype)
+        return (ONEDNN_ENABLED and not self._pack_failed and x.device.type == "cpu"
+                and self.weight.device.type == "cpu" and self.weight.dtype in _PACKABLE
+                and x.dtype == self.weight.dtype)
 
-    def _packed_weight(self) -> torch.Tensor:
-        if self._packed is None:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
+    def _packed_weight(self) -> torch.Tensor | None:
+        if self._packed is None and not self._pack_failed:
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
+            except RuntimeError:  # a shape or build oneDNN refuses: this layer stays on F.linear
+                self._pack_failed = True
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packable(x):
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), self.bias,
-                                                      "none", [], "")
+        if self._packable(x) and self._packed_weight() is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,57 @@
+"""brisk's Linear: the packed-oneDNN path agrees with F.linear for every row count, with and
+without bias, and falls back to F.linear where it cannot pack."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brisk.models import linear
+from brisk.models.linear import Linear
+
+
+def make(in_features, out_features, bias, dtype=torch.float32):
+    torch.manual_seed(0)
+    layer = Linear(in_features, out_features, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        if bias:
+            layer.bias.normal_(0, 0.05)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 65, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matches_f_linear(rows, bias):
+    layer = make(96, 200, bias)
+    layer.prepare()
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (rows, 200) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_path_is_taken_on_cpu():
+    if not linear.ONEDNN_ENABLED:
+        pytest.skip("this torch build has no oneDNN")
+    layer = make(64, 64, False)
+    layer.prepare()
+    assert layer._packed is not None
+    view = layer(torch.randn(4, 64)[:, :])  # strided input is made contiguous
+    assert view.shape == (4, 64)
+
+
+def test_non_contiguous_input_and_other_dtypes():
+    layer = make(32, 48, True)
+    x = torch.randn(32, 10).t()  # [10, 32], not contiguous
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    half = make(32, 48, False, torch.float16)  # not packable: F.linear
+    x16 = torch.randn(5, 32, dtype=torch.float16)
+    torch.testing.assert_close(half(x16), F.linear(x16, half.weight), rtol=1e-3, atol=1e-3)
+    assert half._packed is None
+
+
+def test_bad_backend_choice_is_named(monkeypatch):
+    monkeypatch.setenv("BRISK_MATMUL", "numpy")
+    with pytest.raises(ValueError, match="BRISK_MATMUL='numpy'"):
+        linear._onednn_enabled()
