@@ -86,7 +86,7 @@ def test_truncate_oldest_leaves_fitting_chats_alone():
 
 # -- e2e at the boundary, real tokenizer ----------------------------------------------------
 def small_window_engine(demo):
-    return LLMEngine(demo, CacheConfig(num_gpu_blocks_override=96),
+    return LLMEngine(demo, CacheConfig(block_size=16, num_gpu_blocks_override=96),
                      SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=WINDOW))
 
 

@@ -43,7 +43,7 @@ def value(snapshot: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def workload(demo):
     """A tiny KV pool (preemptions), then a scripted mix of requests; returns the scrapes."""
-    engine = LLMEngine(demo, CacheConfig(num_gpu_blocks_override=12),
+    engine = LLMEngine(demo, CacheConfig(block_size=16, num_gpu_blocks_override=12),
                        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=160))
     with serve_engine(engine) as live:
         with live.client() as http:
@@ -173,7 +173,7 @@ def test_guard_outcome_is_a_span_attribute(demo):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     from brisk.server.context_guard import ContextPolicy
 
-    engine = LLMEngine(demo, CacheConfig(num_gpu_blocks_override=64),
+    engine = LLMEngine(demo, CacheConfig(block_size=16, num_gpu_blocks_override=64),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=64))
     state = ServerState(ServerConfig(context_policy=ContextPolicy.CLAMP_MAX_TOKENS),
                         engine=AsyncLLMEngine(engine), tracer=RequestTracer(provider))

@@ -16,7 +16,7 @@ from live_server import serve_engine
 
 @pytest.fixture(scope="module")
 def fuzz_server(demo):
-    engine = LLMEngine(demo, CacheConfig(num_gpu_blocks_override=128),
+    engine = LLMEngine(demo, CacheConfig(block_size=16, num_gpu_blocks_override=128),
                        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=128))
     with serve_engine(engine, max_request_bytes=64 * 1024) as live:
         yield live

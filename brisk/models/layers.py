@@ -11,6 +11,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ModelConfig, RopeConfig
@@ -23,6 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused kernel, same math
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -139,7 +142,11 @@ class RopeTables(NamedTuple):
     rotary_dim: int
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotate(q, self.cos, self.sin, self.rotary_dim), _rotate(k, self.cos, self.sin, self.rotary_dim)
+        return self.rotate(q), self.rotate(k)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; q and k heads side by side rotate in one pass."""
+        return _rotate(x, self.cos, self.sin, self.rotary_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:

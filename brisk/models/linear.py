@@ -60,6 +60,9 @@ class Linear(nn.Linear):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed
+        if packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [], "")
         if self._packable(x) and self._packed_weight() is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

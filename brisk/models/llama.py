@@ -40,11 +40,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x, rope: RopeTables, attention: Attention):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(q, k)
+        qk_size = self.q_size + self.kv_size
+        # q and k heads are adjacent in qkv: rotate them together, then split the result
+        qk = rope.rotate(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
         return self.o_proj(out)
 
