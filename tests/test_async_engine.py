@@ -1,6 +1,8 @@
 """The async engine: streaming outputs, abort on consumer exit, errors to the caller."""
 
 import asyncio
+import os
+import threading
 
 import pytest
 
@@ -77,3 +79,21 @@ def test_event_loop_stays_responsive_while_generating(demo, async_engine):
         return ticks
 
     assert asyncio.run(main()) > 5
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread niceness is Linux-only")
+def test_engine_thread_yields_cpu_to_the_event_loop(demo):
+    """The engine thread (and the OpenMP team it starts) runs niced, the caller's thread does not."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    engine = AsyncLLMEngine(make_engine(demo), engine_niceness=3)
+    try:
+        prompt = demo.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+
+        async def one():
+            return [o async for o in engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0))]
+
+        assert asyncio.run(one())[-1].finished  # the thread has started and stepped
+        assert os.getpriority(os.PRIO_PROCESS, engine._thread.native_id) == min(base + 3, 19)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    finally:
+        engine.shutdown()
