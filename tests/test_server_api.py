@@ -118,6 +118,22 @@ def test_chat_logprobs(client):
     assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace").startswith(text)
 
 
+def test_extreme_penalty_with_logprobs_stays_valid_json(client):
+    """Regression (found by the fuzz test): repetition_penalty=5e-324 turned logits into inf and
+    logprobs into NaN, which JSON cannot carry: a 500. Now finite, floored at -9999 like OpenAI."""
+    for stream in (False, True):
+        resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, logprobs=True,
+                                              top_logprobs=2, stream=stream,
+                                              extra_body={"repetition_penalty": 5e-324})
+        if stream:
+            entries = [e for chunk in resp if chunk.choices and chunk.choices[0].logprobs
+                       for e in chunk.choices[0].logprobs.content or []]
+        else:
+            entries = resp.choices[0].logprobs.content
+        values = [e.logprob for e in entries] + [t.logprob for e in entries for t in e.top_logprobs]
+        assert entries and all(-9999.0 <= v <= 0.0 for v in values), values
+
+
 def test_completion_logprobs_and_echo(client):
     resp = client.completions.create(model=MODEL, prompt="Hello,", max_tokens=4, temperature=0, logprobs=2,
                                      echo=True)
