@@ -11,7 +11,6 @@ and reports ms per path and the best path's GB/s (M=1) or GFLOP/s. Used to choos
 import argparse
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

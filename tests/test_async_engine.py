@@ -97,3 +97,14 @@ def test_engine_thread_yields_cpu_to_the_event_loop(demo):
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
     finally:
         engine.shutdown()
+
+
+def test_bad_niceness_setting_is_one_clear_error(monkeypatch):
+    from brisk.engine.async_engine import engine_niceness_from_env
+    from brisk.errors import BriskError
+
+    monkeypatch.setenv("BRISK_ENGINE_NICENESS", "high")
+    with pytest.raises(BriskError, match="BRISK_ENGINE_NICENESS='high' is not an integer"):
+        engine_niceness_from_env()
+    monkeypatch.setenv("BRISK_ENGINE_NICENESS", "0")
+    assert engine_niceness_from_env() == 0

@@ -22,15 +22,23 @@ from brisk.engine.errors import EngineDeadError
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.stats import EngineStats
+from brisk.errors import BriskError
 
 log = logging.getLogger("brisk.engine")
-ENGINE_NICENESS = int(os.environ.get("BRISK_ENGINE_NICENESS", "5"))
+
+
+def engine_niceness_from_env() -> int:
+    raw = os.environ.get("BRISK_ENGINE_NICENESS", "5")
+    try:
+        return int(raw)
+    except ValueError:
+        raise BriskError(f"BRISK_ENGINE_NICENESS={raw!r} is not an integer; use 0 (off) to 19") from None
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, engine_niceness: int = ENGINE_NICENESS):
+    def __init__(self, engine: LLMEngine, engine_niceness: int | None = None):
         self.engine = engine
-        self.engine_niceness = engine_niceness
+        self.engine_niceness = engine_niceness_from_env() if engine_niceness is None else engine_niceness
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()

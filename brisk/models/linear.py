@@ -18,25 +18,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brisk.errors import BriskError
+
 PACK_ROWS_HINT = 64  # oneDNN picks its weight layout for this batch size; any hint >= 16 measured the same
 
 
 def _onednn_enabled() -> bool:
     choice = os.environ.get("BRISK_MATMUL", "auto")
     if choice not in ("auto", "onednn", "torch"):
-        raise ValueError(f"BRISK_MATMUL={choice!r}: use auto, onednn or torch")
+        raise BriskError(f"BRISK_MATMUL={choice!r} is not a matmul backend; use auto, onednn or torch")
     return choice != "torch" and torch.backends.mkldnn.is_available() and \
         hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    """bf16 only where the CPU has native bf16 dot products; elsewhere oneDNN would emulate them."""
+    native_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", bool)()
+    return (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,)
+
+
 ONEDNN_ENABLED = _onednn_enabled()
-# bf16 only where the CPU has native bf16 dot products; elsewhere oneDNN would emulate them
-_PACKABLE = (torch.float32, torch.bfloat16) if ONEDNN_ENABLED and getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() \
-    else (torch.float32,)
+_PACKABLE = _packable_dtypes() if ONEDNN_ENABLED else ()
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose CPU matmul runs on weights packed once for oneDNN."""
+    """`nn.Linear` whose CPU matmul runs on weights packed once for oneDNN.
+
+    The packed copy is taken at load (`prepare`); weights are not expected to change after it."""
 
     _packed: torch.Tensor | None = None
     _pack_failed = False
@@ -44,25 +52,21 @@ class Linear(nn.Linear):
     def prepare(self) -> None:
         """Pack the weights now (the loader calls this, so the first request doesn't pay)."""
         if self._packable(self.weight):
-            self._packed_weight()
+            self._pack()
 
     def _packable(self, x: torch.Tensor) -> bool:
-        return (ONEDNN_ENABLED and not self._pack_failed and x.device.type == "cpu"
-                and self.weight.device.type == "cpu" and self.weight.dtype in _PACKABLE
-                and x.dtype == self.weight.dtype)
+        return (not self._pack_failed and self.weight.dtype in _PACKABLE and x.dtype == self.weight.dtype
+                and x.device.type == "cpu" and self.weight.device.type == "cpu")
 
-    def _packed_weight(self) -> torch.Tensor | None:
-        if self._packed is None and not self._pack_failed:
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
-            except RuntimeError:  # a shape or build oneDNN refuses: this layer stays on F.linear
-                self._pack_failed = True
-        return self._packed
+    def _pack(self) -> None:
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
+        except RuntimeError:  # a shape or build oneDNN refuses: this layer stays on F.linear
+            self._pack_failed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed
-        if packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, self.bias, "none", [], "")
-        if self._packable(x) and self._packed_weight() is not None:
+        if self._packed is None and self._packable(x):
+            self._pack()
+        if self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
