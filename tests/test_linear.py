@@ -56,3 +56,17 @@ def test_bad_backend_choice_is_named(monkeypatch):
     monkeypatch.setenv("BRISK_MATMUL", "numpy")
     with pytest.raises(BriskError, match="BRISK_MATMUL=.numpy."):
         linear._onednn_enabled()
+
+
+@pytest.mark.skipif(torch.float32 not in linear._PACKABLE or torch.bfloat16 not in linear._PACKABLE,
+                    reason="bf16 is packed only on CPUs with native bf16 dot products")
+def test_bfloat16_packed_matches_f_linear():
+    layer = make(128, 96, True, torch.bfloat16)
+    layer.prepare()
+    assert layer._packed is not None
+    x = torch.randn(33, 128, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    reference = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
