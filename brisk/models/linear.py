@@ -5,8 +5,9 @@ the demo model): `F.linear` goes through a BLAS that reaches ~100 GFLOP/s at 64 
 numpy's OpenBLAS ~220, and oneDNN with the weights reordered once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, what PyTorch's own CPU
 compiler emits) is the fastest from one row (a memory-bound GEMV) to prefill chunks of
-hundreds of rows. So float32/bfloat16 CPU linears run on packed oneDNN weights; everything
-else (CUDA, other dtypes, a torch build without oneDNN) uses `F.linear`.
+hundreds of rows. So float32 CPU linears (and bfloat16 ones on CPUs with native bf16) run on
+packed oneDNN weights; everything else (CUDA, other dtypes, a torch build without oneDNN)
+uses `F.linear`.
 `BRISK_MATMUL=torch` turns the oneDNN path off (for comparisons).
 """
 
