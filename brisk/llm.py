@@ -14,10 +14,12 @@ from brisk.loading.loader import load
 
 class LLM:
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str | None = None,
+                 quantization: str = "auto",
                  max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_memory: int | None = None,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, seed: int = 0):
-        self.loaded = load(model, device=device, dtype=dtype, max_model_len=max_model_len)
+        self.loaded = load(model, device=device, dtype=dtype, max_model_len=max_model_len,
+                           quantization=quantization)
         self.engine = LLMEngine(
             self.loaded,
             CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,

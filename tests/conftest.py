@@ -27,6 +27,14 @@ def demo(brisk_cache):
 
 
 @pytest.fixture(scope="session")
+def demo_fp32(brisk_cache):
+    """The demo model dequantized to float32 (`--quantization none`): what HF computes."""
+    from brisk.loading.loader import load
+
+    return load("smollm2-135m-instruct", quantization="none")
+
+
+@pytest.fixture(scope="session")
 def demo_gguf_path() -> Path:
     from brisk.models.registry import resolve
 

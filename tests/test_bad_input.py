@@ -175,15 +175,15 @@ def test_unwritable_cache_dir(tmp_path, monkeypatch):
 def test_failed_conversion_leaves_nothing_in_the_cache(tmp_path, monkeypatch, demo_gguf_path):
     monkeypatch.setenv("BRISK_CACHE", str(tmp_path / "cache"))
     calls = {"n": 0}
-    real = gguf_convert.DEQUANTIZERS["Q4_1"]
+    real = gguf_convert._repack_legacy  # the demo's Q4_1 tensors are repacked, not dequantized
 
-    def failing(raw):
+    def failing(*args):
         calls["n"] += 1
         if calls["n"] == 20:
             raise OSError("disk full (simulated)")
-        return real(raw)
+        return real(*args)
 
-    monkeypatch.setitem(gguf_convert.DEQUANTIZERS, "Q4_1", failing)
+    monkeypatch.setattr(gguf_convert, "_repack_legacy", failing)
     with pytest.raises(OSError, match="simulated"):
         load()
     assert calls["n"] == 20

@@ -1,10 +1,17 @@
 """GGUF -> brisk's converted cache (safetensors + config.json + tokenizer files).
 
-The first start with a GGUF file dequantizes it once and writes a converted copy
-into the cache directory, keyed by the file's size, mtime and a hash of its first
-MiB; every later start memory-maps that copy (zero-copy) instead. Tensors are
-written one at a time by a streaming safetensors writer, so memory stays bounded
-by the largest (fused) tensor, and the result appears atomically (temp dir, rename).
+The first start with a GGUF file writes a converted copy into the cache directory, keyed by
+the file's size, mtime, a hash of its first MiB and the `--quantization` mode; every later
+start memory-maps that copy (zero-copy) instead. Tensors are written one at a time by a
+streaming safetensors writer, so memory stays bounded by the largest (fused) tensor, and the
+result appears atomically (temp dir, rename).
+
+Quantized weights stay quantized (`brisk.models.quant`'s int4/int8 blocks of 32): with the
+default `auto` mode Q4_0, Q4_1 and Q8_0 are repacked by slicing their bytes (exact), Q4_K
+maps onto int4 with a float16 scale and offset per 32 (exact up to rounding each block's
+`d * scale` to float16), and Q5_0/Q5_1/Q5_K/Q6_K, whose 5-6 bit values have no kernel, are
+requantized to int8 blocks from their dequantized values (a half int8 step of extra error).
+`none` dequantizes everything to float32; `int8`/`int4` requantize every weight matrix.
 
 The converted safetensors use brisk's layout: q/k/v and gate/up already fused
 (`qkv_proj`, `gate_up_proj`), so a warm start does no copy at all.
@@ -22,12 +29,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from brisk.errors import ModelLoadError
-from brisk.loading.dequant import DEQUANTIZERS
+from brisk.kernels import QK
+from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64
 from brisk.loading.gguf_tokenizer import build_tokenizer
+from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4
 
-CONVERT_VERSION = 1
+CONVERT_VERSION = 2
 BRISK_LAYOUT = "brisk-fused-v1"
 _HASHED_PREFIX_BYTES = 1 << 20
 
@@ -51,17 +61,27 @@ _FUSED = {
 }
 
 
-def cache_key(path: Path) -> str:
+# GGUF type -> the quantized format its weights keep under `--quantization auto`
+NATIVE_FORMATS = {
+    "Q4_0": QuantFormat(4, False), "Q4_1": QuantFormat(4, True), "Q4_K": QuantFormat(4, True),
+    "Q8_0": QuantFormat(8, False), "Q5_0": QuantFormat(8, False), "Q5_1": QuantFormat(8, False),
+    "Q5_K": QuantFormat(8, False), "Q6_K": QuantFormat(8, False),
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+_REQUANTIZED_FORMATS = {"int4": QuantFormat(4, True), "int8": QuantFormat(8, False)}
+
+
+def cache_key(path: Path, quantization: str = "auto") -> str:
     st = path.stat()
     h = hashlib.sha256()
     with open(path, "rb") as f:
         h.update(f.read(_HASHED_PREFIX_BYTES))
-    h.update(f"{st.st_size}:{st.st_mtime_ns}:{CONVERT_VERSION}".encode())
+    h.update(f"{st.st_size}:{st.st_mtime_ns}:{CONVERT_VERSION}:{quantization}".encode())
     return h.hexdigest()[:16]
 
 
-def converted_dir(cache_root: Path, gguf_path: Path) -> Path:
-    return cache_root / "converted" / f"{gguf_path.stem}-{cache_key(gguf_path)}"
+def converted_dir(cache_root: Path, gguf_path: Path, quantization: str = "auto") -> Path:
+    return cache_root / "converted" / f"{gguf_path.stem}-{quantization}-{cache_key(gguf_path, quantization)}"
 
 
 def open_gguf(path: Path):
@@ -134,45 +154,152 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-class _Tensors:
-    """Lazily dequantized GGUF tensors in HF orientation ([out, in])."""
+def _f16_column(blocks: np.ndarray, start: int) -> np.ndarray:
+    """[n, blocks, bytes] -> [n, blocks] float16 stored at byte `start` of each block."""
+    return np.ascontiguousarray(blocks[:, :, start:start + 2]).view(np.float16)[:, :, 0]
 
-    def __init__(self, reader, config: dict[str, Any], source: str):
+
+def _repack_legacy(raw: np.ndarray, rows: int, cols: int, qtype: str) -> dict[str, np.ndarray]:
+    """Q4_0 / Q4_1 / Q8_0 bytes -> qweight/scales(/mins) by slicing: GGUF's nibble order is ours."""
+    header = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
+    payload = QK // 2 if qtype != "Q8_0" else QK
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // QK, header + payload)
+    out = {"qweight": np.ascontiguousarray(blocks[:, :, header:]).reshape(rows, -1),
+           "scales": _f16_column(blocks, 0)}
+    if qtype == "Q8_0":
+        out["qweight"] = out["qweight"].view(np.int8)
+    if qtype == "Q4_1":
+        out["mins"] = _f16_column(blocks, 2)
+    return out
+
+
+def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q4_K super-blocks of 256 -> int4 blocks of 32 with scale d*sc and offset -dmin*mn (float16)."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, 2 + 2 + 12 + QK_K // 2)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _k_scales_mins(blocks[:, 4:16])  # [n, 8] each
+    q = _split_nibbles_64(blocks[:, 16:]).reshape(rows, cols)  # values 0..15 in element order
+    return {"qweight": pack_int4(torch.from_numpy(q)).numpy(),
+            "scales": (d * sc).astype(np.float16).reshape(rows, cols // QK),
+            "mins": (-(dmin * mn)).astype(np.float16).reshape(rows, cols // QK)}
+
+
+def _with_format(arrays: dict[str, np.ndarray], fmt: QuantFormat) -> dict[str, np.ndarray]:
+    """int4 blocks without offsets given offsets (-8 * scale, exact in float16) when `fmt` has them."""
+    if fmt.has_mins and "mins" not in arrays:
+        arrays["mins"] = (arrays["scales"].astype(np.float32) * -8).astype(np.float16)
+    return arrays
+
+
+def stored_arrays(fmt: QuantFormat | None) -> list[tuple[str, str]]:
+    """(suffix, safetensors dtype) of the tensors a weight is stored as."""
+    if fmt is None:
+        return [("weight", "F32")]
+    arrays = [("qweight", "U8" if fmt.bits == 4 else "I8"), ("scales", "F16")]
+    return arrays + ([("mins", "F16")] if fmt.has_mins else [])
+
+
+def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> tuple[int, ...]:
+    if suffix == "weight":
+        return (rows, cols)
+    if suffix == "qweight":
+        return (rows, cols // 2 if fmt.bits == 4 else cols)
+    return (rows, cols // QK)
+
+
+class _Tensors:
+    """GGUF tensors in HF orientation ([out, in]): dequantized to float32, or kept as quantized blocks."""
+
+    def __init__(self, reader, config: dict[str, Any], source: str, quantization: str):
         self.by_name = {t.name: t for t in reader.tensors}
         self.config = config
         self.source = source
+        self.quantization = quantization
         self.permute = config["model_type"] == "llama"
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self.by_name[name].shape))
 
-    def load(self, name: str) -> np.ndarray:
-        t = self.by_name[name]
-        qtype = t.tensor_type.name
+    def qtype(self, name: str) -> str:
+        qtype = self.by_name[name].tensor_type.name
         if qtype not in DEQUANTIZERS:
             raise ModelLoadError(
-                f"{self.source}: tensor {name} uses quantization {qtype}, which brisk cannot dequantize "
-                f"(supported: {', '.join(DEQUANTIZERS)})"
-            )
-        values = DEQUANTIZERS[qtype](np.asarray(t.data)).reshape(self.shape(name))
+                f"{self.source}: tensor {name} uses quantization {qtype}, which brisk can neither run nor "
+                f"dequantize (it reads {', '.join(DEQUANTIZERS)}); re-quantize the model to one of those, "
+                "e.g. `llama-quantize model.gguf out.gguf Q4_K_M`")
+        return qtype
+
+    def target_format(self, name: str) -> QuantFormat | None:
+        """How a tensor is stored: None = float32, else its quantized format."""
+        qtype = self.qtype(name)
+        if len(self.shape(name)) != 2 or self.quantization == "none":
+            return None
+        if self.quantization in _REQUANTIZED_FORMATS:
+            check_quantizable(name, self.shape(name), self.quantization)
+            return _REQUANTIZED_FORMATS[self.quantization]
+        return None if qtype in FLOAT_TYPES else NATIVE_FORMATS[qtype]
+
+    def _unpermuted(self, name: str, values: np.ndarray) -> np.ndarray:
         if self.permute and name.endswith(("attn_q.weight", "attn_q.bias")):
-            values = _unpermute(values, self.config["num_attention_heads"])
-        elif self.permute and name.endswith(("attn_k.weight", "attn_k.bias")):
-            values = _unpermute(values, self.config["num_key_value_heads"])
+            return _unpermute(values, self.config["num_attention_heads"])
+        if self.permute and name.endswith(("attn_k.weight", "attn_k.bias")):
+            return _unpermute(values, self.config["num_key_value_heads"])
         return values
 
+    def load(self, name: str) -> np.ndarray:
+        t = self.by_name[name]
+        values = DEQUANTIZERS[self.qtype(name)](np.asarray(t.data)).reshape(self.shape(name))
+        return self._unpermuted(name, values)
 
-def _plan(tensors: _Tensors, num_layers: int) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
-    """(output name, shape, producer) for every tensor of the converted checkpoint."""
-    plan = []
+    def load_as(self, name: str, fmt: QuantFormat | None) -> dict[str, np.ndarray]:
+        """The tensor's arrays in `fmt` (suffix -> array), repacked without float when possible."""
+        if fmt is None:
+            return {"weight": self.load(name)}
+        qtype, (rows, cols) = self.qtype(name), self.shape(name)
+        raw = np.asarray(self.by_name[name].data)
+        if qtype in ("Q4_0", "Q4_1", "Q8_0") and NATIVE_FORMATS[qtype].bits == fmt.bits and \
+                (fmt.has_mins or not NATIVE_FORMATS[qtype].has_mins):
+            arrays = _with_format(_repack_legacy(raw, rows, cols, qtype), fmt)
+        elif qtype == "Q4_K" and fmt == NATIVE_FORMATS[qtype]:
+            arrays = _repack_q4_k(raw, rows, cols)
+        else:  # requantize from the float values
+            method = "int4" if fmt.bits == 4 else "int8"
+            quantized = QUANTIZERS[method](torch.from_numpy(np.ascontiguousarray(self.load(name))))
+            return {k: v.numpy() for k, v in quantized.items()}
+        return {k: self._unpermuted(name, v) for k, v in arrays.items()}
+
+
+class _Group:
+    """One output weight (possibly fused from several GGUF tensors), produced once for all its arrays."""
+
+    def __init__(self, tensors: _Tensors, parts: list[str]):
+        self.tensors, self.parts = tensors, parts
+        formats = [tensors.target_format(p) for p in parts]
+        # NOTE: fused parts must share one format; mixed ones (e.g. Q4_K q/k with a Q6_K v)
+        # are all stored as int8, the widest, so nothing loses precision it had.
+        self.fmt = formats[0] if all(f == formats[0] for f in formats) else QuantFormat(8, False)
+        shapes = [tensors.shape(p) for p in parts]
+        self.shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def take(self, suffix: str) -> np.ndarray:
+        if self._arrays is None:
+            loaded = [self.tensors.load_as(p, self.fmt) for p in self.parts]
+            self._arrays = {k: np.concatenate([a[k] for a in loaded], axis=0) for k in loaded[0]}
+        return self._arrays.pop(suffix)  # each array is written once; memory is freed as we go
+
+
+def _plan(tensors: _Tensors, num_layers: int) -> list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """(output name, safetensors dtype, shape, producer) for every tensor of the converted checkpoint."""
+    groups: list[tuple[str, list[str]]] = []
     for gguf_name, hf_name in _PLAIN_NAMES.items():
         if gguf_name in tensors.by_name:
-            plan.append((hf_name, tensors.shape(gguf_name), lambda n=gguf_name: tensors.load(n)))
+            groups.append((hf_name, [gguf_name]))
     for i in range(num_layers):
         prefix = f"blk.{i}."
         for part, hf_part in _LAYER_NAMES.items():
-            plan.append((f"model.layers.{i}.{hf_part}", tensors.shape(prefix + part),
-                         lambda n=prefix + part: tensors.load(n)))
+            groups.append((f"model.layers.{i}.{hf_part}", [prefix + part]))
         for hf_part, parts in _FUSED.items():
             names = [prefix + p for p in parts]
             present = [n in tensors.by_name for n in names]
@@ -181,35 +308,43 @@ def _plan(tensors: _Tensors, num_layers: int) -> list[tuple[str, tuple[int, ...]
             if not all(present):
                 missing = [n for n, p in zip(names, present) if not p]
                 raise ModelLoadError(f"{tensors.source}: GGUF lacks tensor(s) {', '.join(missing)}")
-            shapes = [tensors.shape(n) for n in names]
-            shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-            plan.append((f"model.layers.{i}.{hf_part}", shape,
-                         lambda ns=names: np.concatenate([tensors.load(n) for n in ns], axis=0)))
+            groups.append((f"model.layers.{i}.{hf_part}", names))
+    plan = []
+    for hf_name, parts in groups:
+        group = _Group(tensors, parts)
+        base = hf_name.removesuffix(".weight")
+        for suffix, dtype in stored_arrays(group.fmt):
+            name = hf_name if suffix == "weight" else f"{base}.{suffix}"
+            shape = group.shape if len(group.shape) == 1 else stored_shape(suffix, *group.shape, group.fmt)
+            plan.append((name, dtype, shape, lambda g=group, s=suffix: g.take(s)))
     return plan
 
 
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8}
+
+
 def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
-    """Stream float32 tensors into a safetensors file: header first, then each tensor in turn."""
+    """Stream tensors into a safetensors file: header first, then each tensor in turn."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for name, shape, _ in plan:
-        nbytes = int(np.prod(shape)) * 4
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    for name, dtype, shape, _ in plan:
+        nbytes = int(np.prod(shape)) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, shape, produce in plan:
-            values = np.ascontiguousarray(produce(), dtype=np.float32)
+        for name, dtype, shape, produce in plan:
+            values = np.ascontiguousarray(produce(), dtype=_NUMPY_DTYPES[dtype])
             if values.shape != tuple(shape):
                 raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {values.shape}")
             f.write(values.tobytes())
     return offset
 
 
-def convert(gguf_path: Path, out_dir: Path) -> dict[str, float]:
+def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[str, float]:
     """Convert `gguf_path` into `out_dir` (created atomically). Returns phase timings in ms."""
     import time
 
@@ -220,7 +355,7 @@ def convert(gguf_path: Path, out_dir: Path) -> dict[str, float]:
     source = str(gguf_path)
     config = hf_config(meta, has_output="output.weight" in {t.name for t in reader.tensors}, source=source)
     fast_tokenizer, tok_config = build_tokenizer(meta, source)
-    tensors = _Tensors(reader, config, source)
+    tensors = _Tensors(reader, config, source, quantization)
     plan = _plan(tensors, config["num_hidden_layers"])
     timings["gguf_read"] = (time.perf_counter() - t0) * 1e3
 
@@ -237,7 +372,8 @@ def convert(gguf_path: Path, out_dir: Path) -> dict[str, float]:
             json.dumps(tok_config, indent=2, ensure_ascii=False), encoding="utf-8")
         fast_tokenizer.save(str(tmp / "tokenizer.json"))
         (tmp / "brisk_source.json").write_text(json.dumps(
-            {"gguf": source, "size": gguf_path.stat().st_size, "convert_version": CONVERT_VERSION}, indent=2))
+            {"gguf": source, "size": gguf_path.stat().st_size, "convert_version": CONVERT_VERSION,
+             "quantization": quantization}, indent=2))
         try:
             os.rename(tmp, out_dir)
         except OSError:

@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
+from brisk import kernels
 from brisk.config import ModelConfig
 from brisk.errors import BriskError, ModelLoadError
 from brisk.loading import gguf_convert, safetensors_io
 from brisk.loading.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
 from brisk.models.linear import Linear
+from brisk.models import quant
 from brisk.models.llama import LlamaForCausalLM
 from brisk.models.registry import resolve
 from brisk.models.simple_cache import SingleSequenceCache
@@ -108,18 +110,48 @@ def model_state(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict
 
 def _expected_names(model: LlamaForCausalLM) -> set[str]:
     names = set(model.state_dict().keys())
-    if model.config.tie_word_embeddings:
-        names.discard("lm_head.weight")
+    if model.config.tie_word_embeddings:  # the head reads the embedding's tensors
+        names = {n for n in names if not n.startswith("lm_head.")}
     return names
+
+
+def _is_quantized(name: str) -> bool:
+    return name.rpartition(".")[2] in quant.QUANT_SUFFIXES
 
 
 def _place(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
            prefetcher: safetensors_io.ShardPrefetcher) -> dict[str, torch.Tensor]:
-    """Cast/move weights. On CPU with a matching dtype this is free (views stay on the mmap)."""
+    """Cast/move weights. On CPU with a matching dtype this is free (views stay on the mmap);
+    quantized blocks are used as stored."""
     if device.type == "cuda":
         prefetcher.wait_all()
         return _to_cuda(tensors, device, dtype)
-    return {n: t if t.dtype == dtype else t.to(dtype) for n, t in tensors.items()}
+    return {n: t if t.dtype == dtype or _is_quantized(n) else t.to(dtype) for n, t in tensors.items()}
+
+
+def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str) -> None:
+    """--quantization int8/int4 on a float checkpoint: every linear weight (and the LM head)
+    becomes quantized blocks; the float originals are dropped."""
+    for name in [n for n in tensors if quant.is_quantizable_weight(n)]:
+        quant.check_quantizable(name, tuple(tensors[name].shape), method)
+        base = name.removesuffix(".weight")
+        for suffix, t in quant.QUANTIZERS[method](tensors.pop(name)).items():
+            tensors[f"{base}.{suffix}"] = t
+
+
+def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
+    for base in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
+        qweight, scales, mins = (tensors.pop(f"{base}.{s}", None) for s in quant.QUANT_SUFFIXES)
+        bits = 4 if qweight.dtype == torch.uint8 else 8
+        tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits)
+
+
+def _layer_formats(formats: dict[str, str]) -> dict[str, str]:
+    """{module name: format} -> {layer type: format(s)}, for the load report."""
+    by_type: dict[str, set[str]] = {}
+    for name, fmt in formats.items():
+        by_type.setdefault(name.rpartition(".")[2], set()).add(fmt)
+    return {kind: "/".join(sorted(fmts)) for kind, fmts in sorted(by_type.items())}
 
 
 def _to_cuda(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -157,9 +189,14 @@ def _warmup(model: LlamaForCausalLM, cfg: ModelConfig, device, dtype) -> None:
 
 
 def load(model: str | None = None, *, device: str | None = None, dtype: str | None = None,
-         max_model_len: int | None = None, warmup: bool = True,
+         max_model_len: int | None = None, warmup: bool = True, quantization: str = "auto",
          report: LoadReport | None = None) -> LoadedModel:
+    """`quantization`: auto (a GGUF keeps its quantized types, a float checkpoint stays float),
+    none (everything float), int8 or int4 (every weight matrix quantized in blocks of 32)."""
     report = report or LoadReport()
+    if quantization not in quant.QUANTIZATION_CHOICES:
+        raise BriskError(f"--quantization {quantization!r} is not supported; use "
+                         f"{', '.join(quant.QUANTIZATION_CHOICES)}")
     with report.phase("resolve"):
         source = resolve(model)
         cache_root = cache_dir()
@@ -170,12 +207,12 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
     model_dir = source.path
     if source.kind == "gguf":
         report.format = "gguf"
-        model_dir = gguf_convert.converted_dir(cache_root, source.path)
+        model_dir = gguf_convert.converted_dir(cache_root, source.path, quantization)
         if (model_dir / "config.json").exists():
             report.conversion_cache = "hit"
         else:
             report.conversion_cache = "miss"
-            for name, ms in gguf_convert.convert(source.path, model_dir).items():
+            for name, ms in gguf_convert.convert(source.path, model_dir, quantization).items():
                 report.add(name, ms)
     else:
         report.format = "safetensors"
@@ -187,11 +224,16 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
             raise BriskError(f"--max-model-len {max_len} must be positive")
     with report.phase("open_mmap"):
         shards, maps, prefetcher = safetensors_io.load_checkpoint(model_dir)
-        report.weight_bytes = sum(t.numel() * t.element_size() for s in shards for t in s.values())
     with report.phase("module_build"):
         with torch.device("meta"):
             net = LlamaForCausalLM(cfg)
         tensors = model_state(shards, cfg)
+        if quantization in quant.QUANTIZERS and not any(_is_quantized(n) for n in tensors):
+            _quantize_at_load(tensors, quantization)
+        if dev.type != "cpu":  # NOTE: the quantized kernels are CPU kernels; elsewhere weights run in float
+            _dequantize_all(tensors)
+        report.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        report.weight_formats = _layer_formats(quant.install(net, tensors, cfg.tie_word_embeddings, torch_dtype))
         missing = sorted(_expected_names(net) - tensors.keys())
         if missing:
             raise ModelLoadError(

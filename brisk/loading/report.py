@@ -19,6 +19,7 @@ class LoadReport:
     weight_bytes: int = 0
     device: str = ""
     dtype: str = ""
+    weight_formats: dict[str, str] = field(default_factory=dict)  # layer type -> quantized format
     current_phase: str | None = None  # the phase running now (read by the server's /ready)
 
     @contextmanager
@@ -42,7 +43,7 @@ class LoadReport:
         return {
             "source": self.source, "path": self.path, "format": self.format,
             "conversion_cache": self.conversion_cache, "weight_bytes": self.weight_bytes,
-            "device": self.device, "dtype": self.dtype,
+            "device": self.device, "dtype": self.dtype, "weight_formats": self.weight_formats,
             "phases_ms": {k: round(v, 2) for k, v in self.phases_ms.items()},
             "total_ms": round(self.total_ms, 2),
         }
@@ -51,6 +52,8 @@ class LoadReport:
         out = [f"loaded {self.source} ({self.format}, {self.weight_bytes / 1e6:.0f} MB, "
                f"{self.dtype} on {self.device}"
                + (f", conversion cache {self.conversion_cache}" if self.conversion_cache else "") + ")"]
+        if self.weight_formats:
+            out.append("  quantized weights: " + ", ".join(f"{k} {v}" for k, v in self.weight_formats.items()))
         out += [f"  {name:<20} {ms:9.1f} ms" for name, ms in self.phases_ms.items()]
         out.append(f"  {'total':<20} {self.total_ms:9.1f} ms")
         return out

@@ -94,10 +94,12 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], max_positions: int, device) -> None:
         """Assign checkpoint tensors as parameters (no copy) and build the RoPE tables."""
-        if self.config.tie_word_embeddings:
-            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        if self.config.tie_word_embeddings:  # the head reads the embedding's tensors (float or quantized)
+            embed = "model.embed_tokens."
+            state_dict = {**state_dict, **{"lm_head." + n[len(embed):]: t for n, t in state_dict.items()
+                                           if n.startswith(embed)}}
         self.load_state_dict(state_dict, strict=True, assign=True)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(self.config, max_positions, device=device)
 

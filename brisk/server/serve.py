@@ -78,7 +78,7 @@ def serve(args: argparse.Namespace, build_engine) -> int:
             from brisk.engine.async_engine import AsyncLLMEngine
             from brisk.loading.loader import load
         loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                      report=report)
+                      quantization=args.quantization, report=report)
         with report.phase("engine"):
             engine = AsyncLLMEngine(build_engine(args, loaded))
         for line in report.lines():

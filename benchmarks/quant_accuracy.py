@@ -1,0 +1,119 @@
+"""Accuracy of brisk's quantized formats on the demo model, against the float32 reference.
+
+The reference is brisk with `--quantization none`: every GGUF tensor dequantized to float32
+(it matches HF transformers' own load of the GGUF within 1e-3 in the logits; see
+tests/test_demo_reference.py). Each format runs the same texts (English, Chinese, Japanese,
+German, French, Python, SQL; none of them tuned against) through the model in one forward
+per text, and at every position compares the next-token distribution with the reference:
+top-1 agreement, mean KL(reference || format), and the largest logit difference.
+
+Formats: `auto` (the GGUF's own Q4_1 linears as int4 with offsets, its Q8_0 embedding/LM head
+as int8: what brisk serves by default), `int8` and `int4` (every matrix requantized from the
+dequantized values), and `auto` with float activations (the same int4/int8 weights through
+the torch reference matmul without int8 activation blocks: it isolates the kernel's
+activation quantization from the weights' own).
+
+    .venv/bin/python benchmarks/quant_accuracy.py [--min-positions 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import torch
+
+from brisk import kernels
+from brisk.loading.loader import load
+from brisk.models.simple_cache import SingleSequenceCache
+
+TEXTS = [
+    "The river had been rising for three days before anyone in the village thought to move the grain. "
+    "By then the lower fields were a shallow lake, and the old bridge, which had survived two wars and a "
+    "century of careless repairs, groaned every time a branch struck its pillars. Maria walked the bank "
+    "each morning with a notebook, recording the height of the water against a painted post, because her "
+    "father had done the same and because numbers, unlike rumours, did not grow in the telling. On the "
+    "fourth day the rain stopped, the clouds broke into long grey ribbons, and the water began, very slowly, "
+    "to fall. Nobody cheered; they simply started carrying sacks back down the hill.",
+    "Cache invalidation is hard because a cache is a promise that two copies of the truth agree. Every "
+    "write to the source breaks that promise until the copy is refreshed or discarded. Systems choose "
+    "between expiring entries after a fixed time, which bounds staleness but wastes work, and notifying "
+    "caches on every write, which is precise but couples the writer to every reader. Most real systems "
+    "mix both and accept that, for a short window, a reader may see an old value.",
+    "长城是中国古代的军事防御工程，绵延数千公里，跨越山脉、沙漠和草原。它并不是一道连续的城墙，而是由许多段城墙、"
+    "关隘、烽火台和城堡组成的体系。历代王朝都曾修筑或加固长城，其中明朝修建的部分保存最为完整。今天，长城已经成为"
+    "世界文化遗产，每年吸引大量游客前来参观。人们登上城墙，远眺群山，感受历史的厚重与壮阔。",
+    "東京は日本の首都であり、世界でも有数の大都市です。高層ビルが立ち並ぶ新宿や渋谷のような繁華街がある一方で、"
+    "浅草や谷中のように昔ながらの町並みが残る地域もあります。電車のネットワークは非常に発達しており、通勤時間帯には"
+    "多くの人が駅を行き交います。季節ごとに桜や紅葉を楽しめる公園も多く、住む人にも旅行者にも魅力的な街です。",
+    "Die Bibliothek war im Winter der wärmste Ort der Stadt, und deshalb kamen nicht nur Leser. Studenten "
+    "schrieben ihre Arbeiten an den langen Tischen, Rentner lasen Zeitungen aus drei Ländern, und ein alter "
+    "Mann spielte jeden Nachmittag Schach gegen sich selbst. Die Bibliothekarin kannte alle beim Namen.",
+    "Le marché ouvrait à six heures, mais les premiers camions arrivaient bien avant l'aube. Les maraîchers "
+    "déchargeaient des cagettes de tomates, de courgettes et de pêches, pendant que le boulanger installait "
+    "ses pains encore tièdes. Vers huit heures, la place était pleine de voix, d'odeurs et de couleurs.",
+    "import heapq\n\n\ndef dijkstra(graph, source):\n    \"\"\"Shortest distances from source in a graph "
+    "with non-negative edge weights.\"\"\"\n    dist = {source: 0}\n    queue = [(0, source)]\n    while queue:\n"
+    "        d, node = heapq.heappop(queue)\n        if d > dist.get(node, float('inf')):\n            continue\n"
+    "        for neighbour, weight in graph[node].items():\n            nd = d + weight\n"
+    "            if nd < dist.get(neighbour, float('inf')):\n                dist[neighbour] = nd\n"
+    "                heapq.heappush(queue, (nd, neighbour))\n    return dist\n",
+    "SELECT c.name, COUNT(o.id) AS orders, SUM(o.total) AS revenue\nFROM customers AS c\n"
+    "LEFT JOIN orders AS o ON o.customer_id = c.id AND o.created_at >= DATE '2024-01-01'\n"
+    "GROUP BY c.name\nHAVING COUNT(o.id) > 3\nORDER BY revenue DESC\nLIMIT 20;",
+]
+
+
+def logits_per_position(loaded, ids: list[int]) -> torch.Tensor:
+    cache = SingleSequenceCache(loaded.config, len(ids), torch.float32, "cpu")
+    cache.begin(len(ids))
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache)
+        return loaded.model.compute_logits(hidden)
+
+
+def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, float]:
+    r, g = torch.cat(ref), torch.cat(got)
+    ref_logp, got_logp = r.log_softmax(-1), g.log_softmax(-1)
+    kl = (ref_logp.exp() * (ref_logp - got_logp)).sum(-1)
+    return {"positions": r.shape[0], "top1": float((r.argmax(-1) == g.argmax(-1)).float().mean()),
+            "kl_mean": float(kl.mean()), "kl_p99": float(kl.quantile(0.99)),
+            "max_logit_diff": float((r - g).abs().max())}
+
+
+def float_activation_matmul(x, qweight, scales, mins, bits):
+    return kernels.reference_matmul(x, qweight, scales, mins, bits, quantized_activations=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--min-positions", type=int, default=2000)
+    args = parser.parse_args()
+    reference = load(args.model, quantization="none")
+    tokenizer = reference.tokenizer
+    texts = [tokenizer.encode(t) for t in TEXTS]
+    positions = sum(len(t) for t in texts)
+    if positions < args.min_positions:  # each text again after the others: longer contexts, new positions
+        texts += [sum(texts, [])[: args.min_positions - positions + 1]]
+    ref = [logits_per_position(reference, ids) for ids in texts]
+    del reference
+    print("| format | weights MB | positions | top-1 agreement | mean KL | KL p99 | max logit diff |")
+    print("|---|---|---|---|---|---|---|")
+    runs = [("auto", "auto", False), ("auto, float activations", "auto", True), ("int8", "int8", False),
+            ("int4", "int4", False)]
+    for label, mode, float_acts in runs:
+        loaded = load(args.model, quantization=mode)
+        if float_acts:
+            with mock.patch.object(kernels, "quant_matmul", float_activation_matmul):
+                got = [logits_per_position(loaded, ids) for ids in texts]
+        else:
+            got = [logits_per_position(loaded, ids) for ids in texts]
+        s = compare(ref, got)
+        print(f"| {label} ({', '.join(sorted(set(loaded.report.weight_formats.values())))}) "
+              f"| {loaded.report.weight_bytes / 1e6:.0f} | {s['positions']} | {s['top1'] * 100:.1f}% "
+              f"| {s['kl_mean']:.4f} | {s['kl_p99']:.4f} | {s['max_logit_diff']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

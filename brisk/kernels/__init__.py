@@ -1,0 +1,190 @@
+"""brisk's compiled CPU kernels and their PyTorch reference.
+
+`quant_matmul.cpp` (weight-only int4/int8 matmuls, see its header) is a plain C library.
+`make` builds it next to this file (`python -m brisk.kernels`); an install without that step
+builds it on first use into `$BRISK_CACHE/kernels/` when a C++ compiler is present. Without
+either, `library()` is None and `brisk.models.quant` runs the torch reference instead, and the
+load report says so. The torch reference here is also the oracle the tests hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("brisk.kernels")
+
+QK = 32  # weights per quantization block
+SOURCE = Path(__file__).with_name("quant_matmul.cpp")
+PACKAGE_LIB = Path(__file__).with_name("_quant_matmul.so")
+_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=x86-64", "-Wall"]
+
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+
+
+def _source_tag() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+
+
+def build(out: Path) -> Path:
+    """Compile the kernels into `out` (atomically). Raises CalledProcessError / FileNotFoundError."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise FileNotFoundError("no C++ compiler (g++/c++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".quant_matmul-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+        (out.parent / (out.name + ".tag")).write_text(_source_tag())
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _fresh(path: Path) -> bool:
+    tag = path.parent / (path.name + ".tag")
+    return path.is_file() and tag.is_file() and tag.read_text() == _source_tag()
+
+
+def _bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.brisk_quant_matmul.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, i64, p, p, p, p]
+    lib.brisk_quant_matmul.restype = None
+    lib.brisk_quantize_activations.argtypes = [p, i64, i64, p, p, p]
+    lib.brisk_quantize_activations.restype = None
+    lib.brisk_kernels_isa.restype = ctypes.c_int
+    lib.brisk_kernels_force_scalar.argtypes = [ctypes.c_int]
+    lib.brisk_kernels_force_scalar.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them into the cache if `make` did not; None if impossible."""
+    global _lib, _lib_tried
+    if _lib_tried:
+        return _lib
+    _lib_tried = True
+    if os.environ.get("BRISK_KERNELS", "auto") == "torch":
+        return None
+    candidates = [PACKAGE_LIB]
+    try:
+        from brisk.loading.cache_dir import cache_dir
+
+        candidates.append(cache_dir() / "kernels" / f"quant_matmul-{_source_tag()}.so")
+    except Exception:  # an unusable cache dir is reported by the loader; here it only means no fallback build
+        pass
+    for path in candidates:
+        if _fresh(path) or (path != PACKAGE_LIB and path.is_file()):
+            _lib = _bind(path)
+            return _lib
+    try:
+        _lib = _bind(build(candidates[-1]))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("brisk's quantized kernels could not be built (%s); quantized layers run the slower "
+                    "torch reference. Run `make` in a checkout, or install g++.", detail.strip()[:200])
+    return _lib
+
+
+def isa() -> str:
+    lib = library()
+    if lib is None:
+        return "torch-reference"
+    return {2: "avx2"}.get(lib.brisk_kernels_isa(), "scalar")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bits: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous CPU -> [M, N] float32 with W given as quantized blocks."""
+    lib = library()
+    if lib is None:
+        return reference_matmul(x, qweight, scales, mins, bits)
+    m, k = x.shape
+    n = scales.shape[0]
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // QK, dtype=torch.float32)
+    xs = torch.empty(m, k // QK, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), bits, m, n, k,
+                           xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), out.data_ptr())
+    return out
+
+
+# ------------------------------------------------------------------ torch reference (the oracle)
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 in GGUF nibble order -> [N, K] values in [0, 15] (uint8)."""
+    n, half = qweight.shape
+    blocks = qweight.view(n, half // (QK // 2), QK // 2)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).view(n, half * 2)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Quantized blocks -> dense [N, K] weights (w = d * q + m; int4 without m: m = -8 d)."""
+    q = unpack_int4(qweight) if bits == 4 else qweight
+    n, k = q.shape
+    d = scales.float().view(n, k // QK, 1)
+    q = q.view(n, k // QK, QK).float()
+    if mins is None and bits == 4:
+        values = (q - 8) * d  # GGUF Q4_0's own expression, so repacked Q4_0 dequantizes bit for bit
+    else:
+        values = q * d
+    if mins is not None:
+        values += mins.float().view(n, k // QK, 1)
+    return values.view(n, k).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, in torch: x [M, K] -> (q [M, K] int8, d [M, K/32])."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // QK, QK)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).to(torch.int8)
+    return q.view(m, k), d
+
+
+def reference_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     bits: int, quantized_activations: bool = True) -> torch.Tensor:
+    """What the kernel computes, in float64: with `quantized_activations` the same int8 activation
+    blocks (so kernel and reference differ only by float summation order), else plain x."""
+    w = dequantize(qweight, scales, mins, bits, torch.float64)
+    if not quantized_activations:
+        return (x.double() @ w.T).float()
+    q, d = quantize_activations(x)
+    m, k = x.shape
+    xr = (q.view(m, k // QK, QK).double() * d.double()[..., None]).view(m, k)
+    return (xr @ w.T).float()
+
+
+def main() -> int:
+    """`python -m brisk.kernels`: build the kernels next to the package (what `make` runs)."""
+    try:
+        build(PACKAGE_LIB)
+    except subprocess.CalledProcessError as e:
+        print(f"brisk: building {SOURCE.name} failed:\n{e.stderr}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as e:
+        print(f"brisk: cannot build {SOURCE.name}: {e}; install g++ (apt-get install g++)", file=sys.stderr)
+        return 1
+    print(f"built {PACKAGE_LIB}")
+    return 0

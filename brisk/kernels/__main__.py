@@ -1,0 +1,5 @@
+import sys
+
+from brisk.kernels import main
+
+sys.exit(main())

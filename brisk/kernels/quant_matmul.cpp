@@ -1,0 +1,283 @@
+// Weight-only quantized matmuls for brisk's CPU path: y[M, N] = x[M, K] @ W[N, K]^T.
+//
+// W is stored in blocks of 32 consecutive input features (GGML's block size), each with a
+// float16 scale `d` and an optional float16 offset `m`: w = d * q + m. Two storage formats:
+//   int4: q in [0, 15], two per byte; byte j of a block holds element j (low nibble) and
+//         element j + 16 (high nibble) -- GGUF Q4_0/Q4_1's own order, so those repack by slicing.
+//         Without `m` the offset is -8 * d (GGUF Q4_0).
+//   int8: q a signed byte (GGUF Q8_0; Q5/Q6 values also fit).
+// The activations are quantized per row and block of 32 to int8 with a float scale (as
+// llama.cpp does for its CPU dot products), so each block's dot product is integer
+// (AVX2 maddubs) and one float FMA: sum_j w_j x_j = d*dx*sum(q_j*xq_j) + m*dx*sum(xq_j).
+//
+// Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py); threads come from OpenMP, the
+// same libgomp that PyTorch already loaded, so they share its thread team.
+// An AVX2 path is chosen at run time; other CPUs take the portable scalar loop.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+constexpr int QK = 32;
+
+inline float f16_to_f32(uint16_t h) {
+    // IEEE half -> float without F16C, for the scalar path.
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {  // subnormal: normalise
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+struct Weights {
+    const uint8_t* q;     // int4: [N, K/2]; int8: [N, K] (signed bytes)
+    const uint16_t* d;    // [N, K/32] float16 scales
+    const uint16_t* m;    // [N, K/32] float16 offsets, or null
+    int bits;             // 4 or 8
+};
+
+struct Acts {
+    const int8_t* q;  // [M, K]
+    const float* d;   // [M, K/32] scale of each block
+    const float* s;   // [M, K/32] d * sum(q) of each block
+};
+
+// ---------------------------------------------------------------- scalar reference path
+
+void quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+    const int64_t nb = K / QK;
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float* src = x + r * K + b * QK;
+            float amax = 0.f;
+            for (int j = 0; j < QK; j++) amax = std::fmax(amax, std::fabs(src[j]));
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            int sum = 0;
+            for (int j = 0; j < QK; j++) {
+                const int v = (int)std::nearbyint(src[j] * id);
+                xq[r * K + b * QK + j] = (int8_t)v;
+                sum += v;
+            }
+            xd[r * nb + b] = d;
+            xs[r * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+float dot_scalar(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+    const int64_t nb = K / QK;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t* y = a.q + r * K + b * QK;
+        int isum = 0;
+        if (w.bits == 4) {
+            const uint8_t* q = w.q + n * (K / 2) + b * (QK / 2);
+            for (int j = 0; j < QK / 2; j++) isum += (q[j] & 0x0F) * y[j] + (q[j] >> 4) * y[j + QK / 2];
+        } else {
+            const int8_t* q = (const int8_t*)w.q + n * K + b * QK;
+            for (int j = 0; j < QK; j++) isum += q[j] * y[j];
+        }
+        const float d = f16_to_f32(w.d[n * nb + b]);
+        const float m = w.m ? f16_to_f32(w.m[n * nb + b]) : (w.bits == 4 ? -8.f * d : 0.f);
+        acc += d * a.d[r * nb + b] * (float)isum + m * a.s[r * nb + b];
+    }
+    return acc;
+}
+
+// ---------------------------------------------------------------- AVX2 path
+
+__attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+    const int64_t nb = K / QK;
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float* src = x + r * K + b * QK;
+            __m256 v0 = _mm256_loadu_ps(src), v1 = _mm256_loadu_ps(src + 8);
+            __m256 v2 = _mm256_loadu_ps(src + 16), v3 = _mm256_loadu_ps(src + 24);
+            __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_mask, v0), _mm256_andnot_ps(sign_mask, v1)),
+                                        _mm256_max_ps(_mm256_andnot_ps(sign_mask, v2), _mm256_andnot_ps(sign_mask, v3)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            const __m256 mul = _mm256_set1_ps(id);
+            constexpr int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, mul), rnd));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), rnd));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), rnd));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), rnd));
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            // int32 -> int8 keeping element order (packs work per 128-bit lane, then fix the order)
+            __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+            __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
+            _mm256_storeu_si256((__m256i*)(xq + r * K + b * QK), p);
+            xd[r * nb + b] = d;
+            xs[r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+        }
+    }
+}
+
+// The integer part of one block's dot product, as 8 int32 lanes.
+__attribute__((target("avx2,fma,f16c"))) inline __m256i block_dot_u8s8(__m256i wq, __m256i y) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, y), _mm256_set1_epi16(1));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256i load_int4_block(const uint8_t* q) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)q);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Sum over blocks of m_b * s_b (the offset term), m = -8 d when the format has no offsets.
+__attribute__((target("avx2,fma,f16c")))
+float offset_term(const Weights& w, int64_t n, const float* s, int64_t nb) {
+    const uint16_t* mrow = (w.m ? w.m : w.d) + n * nb;
+    const float factor = w.m ? 1.f : (w.bits == 4 ? -8.f : 0.f);
+    if (factor == 0.f) return 0.f;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mrow + b)));
+        acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(s + b), acc);
+    }
+    float total = hsum(acc);
+    for (; b < nb; b++) total += _cvtsh_ss(mrow[b]) * s[b];
+    return factor * total;
+}
+
+// MT activation rows against one weight row n.
+template <int MT>
+__attribute__((target("avx2,fma,f16c")))
+void dot_rows_avx2(const Weights& w, int64_t n, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    const uint16_t* drow = w.d + n * nb;
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = _cvtsh_ss(drow[b]);
+        __m256i wq;
+        __m256i wsign = _mm256_setzero_si256();
+        if (w.bits == 4) {
+            wq = load_int4_block(w.q + n * (K / 2) + b * (QK / 2));
+        } else {
+            wsign = _mm256_loadu_si256((const __m256i*)(w.q + n * K + b * QK));
+            wq = _mm256_sign_epi8(wsign, wsign);  // |q|; the sign moves onto the activations
+        }
+        for (int i = 0; i < MT; i++) {
+            const int64_t r = r0 + i;
+            __m256i y = _mm256_loadu_si256((const __m256i*)(a.q + r * K + b * QK));
+            if (w.bits == 8) y = _mm256_sign_epi8(y, wsign);
+            const __m256 p = _mm256_cvtepi32_ps(block_dot_u8s8(wq, y));
+            acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a.d[r * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        const int64_t r = r0 + i;
+        out[r * N + n] = hsum(acc[i]) + offset_term(w, n, a.s + r * nb, nb);
+    }
+}
+
+bool force_scalar = false;  // tests run the portable path on any CPU
+
+bool has_avx2() {
+    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                            __builtin_cpu_supports("f16c");
+    return yes && !force_scalar;
+}
+
+constexpr int64_t ROWS_PER_TASK = 8;  // weight rows a thread takes at a time (stay in L1/L2 across row tiles)
+constexpr int MT = 4;                 // activation rows per register tile
+
+void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
+    const bool avx2 = has_avx2();
+    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n_end = std::min(N, (t + 1) * ROWS_PER_TASK);
+        for (int64_t r = 0; r < M;) {
+            const int64_t left = M - r;
+            for (int64_t n = t * ROWS_PER_TASK; n < n_end; n++) {
+                if (!avx2) {
+                    for (int64_t i = 0; i < std::min<int64_t>(left, MT); i++) out[(r + i) * N + n] = dot_scalar(w, n, a, r + i, K);
+                } else if (left >= 4) {
+                    dot_rows_avx2<4>(w, n, a, r, K, out, N);
+                } else if (left == 3) {
+                    dot_rows_avx2<3>(w, n, a, r, K, out, N);
+                } else if (left == 2) {
+                    dot_rows_avx2<2>(w, n, a, r, K, out, N);
+                } else {
+                    dot_rows_avx2<1>(w, n, a, r, K, out, N);
+                }
+            }
+            r += std::min<int64_t>(left, MT);
+        }
+    }
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+    const bool avx2 = has_avx2();
+#pragma omp parallel for schedule(static) if (M > 1)
+    for (int64_t r = 0; r < M; r++) {
+        if (avx2) quantize_rows_avx2(x + r * K, 1, K, xq + r * K, xd + r * (K / QK), xs + r * (K / QK));
+        else quantize_rows_scalar(x + r * K, 1, K, xq + r * K, xd + r * (K / QK), xs + r * (K / QK));
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Quantize activations x [M, K] (K a multiple of 32) into xq [M, K], xd and xs [M, K/32].
+void brisk_quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+    quantize_rows(x, M, K, xq, xd, xs);
+}
+
+// out [M, N] = quantized activations . W^T. bits 4 or 8; wm may be null.
+void brisk_quant_matmul_prequantized(const int8_t* xq, const float* xd, const float* xs, const uint8_t* wq,
+                                     const uint16_t* wd, const uint16_t* wm, int bits, int64_t M, int64_t N,
+                                     int64_t K, float* out) {
+    const Weights w{wq, wd, wm, bits};
+    const Acts a{xq, xd, xs};
+    matmul(w, a, M, N, K, out);
+}
+
+// out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch buffers first.
+void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
+                        int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out) {
+    quantize_rows(x, M, K, xq, xd, xs);
+    brisk_quant_matmul_prequantized(xq, xd, xs, wq, wd, wm, bits, M, N, K, out);
+}
+
+int brisk_kernels_isa() { return has_avx2() ? 2 : 0; }
+
+void brisk_kernels_force_scalar(int on) { force_scalar = on != 0; }
+
+}  // extern "C"

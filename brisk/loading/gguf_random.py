@@ -1,0 +1,105 @@
+"""Random-weight GGUF files of real architectures, with a real model's tokenizer.
+
+No model hub is reachable here, so benchmarks at scale (a TinyLlama-shaped 1.1B model) and
+tests of the quantized paths write their own GGUF with the `gguf` package: the shapes, tensor
+types and tokenizer are real, so memory, load time and throughput are real; the text is noise.
+The weights are scaled like a trained model's (std 0.02, norms 1) so activations stay finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                  "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+                  "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    context: int = 2048
+
+
+TINYLLAMA = Shape(hidden=2048, layers=22, ffn=5632, heads=32, kv_heads=4)
+
+
+def _copy_tokenizer(writer, source_gguf: Path) -> int:
+    """Copy the tokenizer and chat template of `source_gguf`; returns its vocabulary size."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source_gguf))
+    vocab = 0
+    for key in TOKENIZER_KEYS:
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+            if key == "tokenizer.ggml.tokens":
+                vocab = len(value)
+        else:
+            writer.add_key_value(key, value, kind)
+    return vocab
+
+
+def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path, seed: int = 0,
+                      tied_embeddings: bool = False) -> Path:
+    """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
+    Q8_0, F32; what `gguf.quants.quantize` writes), norms in F32."""
+    import gguf
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    vocab = _copy_tokenizer(writer, tokenizer_from)
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+    rng = np.random.default_rng(seed)
+    head_dim = shape.hidden // shape.heads
+    matrices = {"token_embd.weight": (vocab, shape.hidden)}
+    if not tied_embeddings:
+        matrices["output.weight"] = (vocab, shape.hidden)
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        matrices.update({p + "attn_q.weight": (shape.hidden, shape.hidden),
+                         p + "attn_k.weight": (shape.kv_heads * head_dim, shape.hidden),
+                         p + "attn_v.weight": (shape.kv_heads * head_dim, shape.hidden),
+                         p + "attn_output.weight": (shape.hidden, shape.hidden),
+                         p + "ffn_gate.weight": (shape.ffn, shape.hidden),
+                         p + "ffn_up.weight": (shape.ffn, shape.hidden),
+                         p + "ffn_down.weight": (shape.hidden, shape.ffn)})
+    norms = ["output_norm.weight"] + [f"blk.{i}.{n}" for i in range(shape.layers) for n in ("attn_norm.weight",
+                                                                                            "ffn_norm.weight")]
+    # NOTE: the writer keeps every added tensor in memory until it writes them; a 1.1B model in
+    # Q4_0 holds ~0.7 GB that way, which is fine here (the float values are made one at a time).
+    for name, dims in matrices.items():
+        values = (rng.standard_normal(dims, dtype=np.float32) * 0.02)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+    for name in norms:
+        writer.add_tensor(name, np.ones(shape.hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

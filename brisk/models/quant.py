@@ -1,0 +1,176 @@
+"""Weight-only quantized layers: int4 and int8 in blocks of 32 input features (GGML's blocks).
+
+A quantized linear `name` is stored as three tensors beside each other in the checkpoint:
+`name.qweight` (uint8 [N, K/2] for int4, two values a byte in GGUF's nibble order; int8
+[N, K] for int8), `name.scales` (float16 [N, K/32]) and, for formats with offsets
+(GGUF Q4_1/Q4_K), `name.mins` (float16 [N, K/32]); a weight is `scale * q + min`
+(int4 without offsets: `scale * (q - 8)`, GGUF Q4_0). The checkpoint describes itself: the
+dtype of `qweight` gives the bit width, the presence of `mins` the offsets.
+
+The matmul runs brisk's compiled kernel (`brisk.kernels`) straight from those tensors, which
+on a warm start are views of the memory-mapped cache: nothing is unpacked or copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from brisk import kernels
+from brisk.errors import BriskError
+from brisk.kernels import QK
+
+QUANT_SUFFIXES = ("qweight", "scales", "mins")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    bits: int  # 4 or 8
+    has_mins: bool
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}" + ("+min" if self.has_mins else "")
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.bits + 16 * (2 if self.has_mins else 1) / QK
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "QuantFormat | None":
+        qweight = tensors.get(f"{prefix}.qweight")
+        if qweight is None:
+            return None
+        return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors)
+
+
+class _Blocks(nn.Module):
+    """The quantized tensors of one [N, K] weight, as buffers (loaded with `assign=True`)."""
+
+    def __init__(self, rows: int, cols: int, fmt: QuantFormat):
+        super().__init__()
+        if cols % QK:
+            raise BriskError(f"a {rows}x{cols} weight cannot be quantized in blocks of {QK}: "
+                             f"its {cols} input features are not a multiple of {QK}; use --quantization none")
+        self.fmt = fmt
+        qshape = (rows, cols // 2) if fmt.bits == 4 else (rows, cols)
+        self.register_buffer("qweight", torch.empty(qshape, dtype=torch.uint8 if fmt.bits == 4 else torch.int8))
+        self.register_buffer("scales", torch.empty(rows, cols // QK, dtype=torch.float16))
+        if fmt.has_mins:
+            self.register_buffer("mins", torch.empty(rows, cols // QK, dtype=torch.float16))
+        else:
+            self.mins = None
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return kernels.dequantize(self.qweight, self.scales, self.mins, self.fmt.bits, dtype)
+
+
+class QuantLinear(_Blocks):
+    """y = x W^T (+ b), W quantized; same call interface as `brisk.models.linear.Linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: QuantFormat):
+        super().__init__(out_features, in_features, fmt)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.bits)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*lead, self.out_features).to(x.dtype)
+
+
+class QuantEmbedding(_Blocks):
+    """Token embeddings stored quantized; looked-up rows are dequantized (T rows per step)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: QuantFormat, dtype: torch.dtype):
+        super().__init__(num_embeddings, embedding_dim, fmt)
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mins = None if self.mins is None else self.mins[ids]
+        return kernels.dequantize(self.qweight[ids], self.scales[ids], mins, self.fmt.bits, self.dtype)
+
+
+# ------------------------------------------------------------------ quantizing float weights
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values in [0, 15] -> [N, K/2] uint8: byte j of a block = q[j] | q[j + 16] << 4."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // QK, 2, QK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def quantize_int4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float [N, K] -> int4 with a scale and an offset per block (GGUF Q4_1's scheme)."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // QK, QK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scales, mins = _fp16((hi - lo) / 15), _fp16(lo)
+    d, m = scales.float(), mins.float()
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((blocks - m[..., None]) * inv[..., None]).clamp_(0, 15)
+    return {"qweight": pack_int4(q.view(n, k)), "scales": scales, "mins": mins}
+
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float [N, K] -> int8 with one scale per block (GGUF Q8_0's scheme)."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // QK, QK)
+    scales = _fp16(blocks.abs().amax(-1) / 127)
+    d = scales.float()
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return {"qweight": q.view(n, k), "scales": scales}
+
+
+QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+
+
+def check_quantizable(name: str, shape: tuple[int, ...], method: str) -> None:
+    if len(shape) != 2 or shape[1] % QK:
+        raise BriskError(f"--quantization {method}: tensor {name} has shape {list(shape)}; its input dimension "
+                         f"must be a multiple of the group size {QK}; use --quantization none for this model")
+
+
+def is_quantizable_weight(name: str) -> bool:
+    """Linear weights (and the LM head) are quantized at load; norms, biases and embeddings are not."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+# ------------------------------------------------------------------ installing into a model
+
+def install(model: nn.Module, tensors: dict[str, torch.Tensor], tie_word_embeddings: bool,
+            dtype: torch.dtype) -> dict[str, str]:
+    """Swap every linear/embedding whose checkpoint tensors are quantized for its quantized
+    class (the model is still on the `meta` device). Returns {module name: format name}."""
+    formats: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        fmt = QuantFormat.of(tensors, name)
+        if fmt is None:
+            continue
+        if isinstance(module, nn.Embedding):
+            replacement = QuantEmbedding(module.num_embeddings, module.embedding_dim, fmt, dtype)
+        elif isinstance(module, nn.Linear):
+            replacement = QuantLinear(module.in_features, module.out_features, module.bias is not None, fmt)
+        else:
+            raise BriskError(f"checkpoint tensor {name}.qweight belongs to a {type(module).__name__}, "
+                             "which brisk cannot run quantized")
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        formats[name] = fmt.name
+    if tie_word_embeddings and "model.embed_tokens" in formats:
+        embed = model.get_submodule("model.embed_tokens")
+        model.lm_head = QuantLinear(embed.embedding_dim, embed.num_embeddings, False, embed.fmt)
+        formats["lm_head"] = formats["model.embed_tokens"]
+    return formats
+

@@ -1,0 +1,299 @@
+"""Quantized weights: the compiled int4/int8 kernel, GGUF repacking, quantize-at-load, and the
+loaded model, each against references nobody here wrote (`gguf`'s dequantizer, HF transformers)
+or against float64 arithmetic.
+
+Tolerances, and why:
+- kernel vs the same math in float64 (same int8 activation blocks): every block's dot product
+  is an exact integer in both, so they differ only by float32 rounding in the sum over
+  blocks: rtol 1e-5.
+- kernel vs float activations: the kernel rounds each activation to its block's int8 grid, an
+  error of at most half a step (d_x / 2) per element, so |y - y_float| <= sum_j |w_j| d_x(j) / 2,
+  checked per output element (plus 1e-5 for float rounding).
+- repacked GGUF weights vs `gguf.quants.dequantize`: bit for bit for Q4_0/Q4_1/Q8_0 (bytes are
+  sliced, not recomputed); Q4_K within the float16 rounding of each block's scale and offset;
+  Q5/Q6 types requantized to int8 within half an int8 step of the block.
+"""
+
+import functools
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from test_dequant import _random_blocks
+
+from brisk import kernels
+from brisk.errors import BriskError, ModelLoadError
+from brisk.loading import gguf_convert
+from brisk.loading.gguf_random import Shape, _copy_tokenizer, write_random_gguf
+from brisk.loading.loader import load
+from brisk.models.quant import QuantFormat, QuantLinear, quantize_int4, quantize_int8
+from brisk.models.simple_cache import SingleSequenceCache
+
+
+def random_blocks(bits, has_mins, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    else:
+        qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.02).half()
+    mins = ((torch.rand(n, k // 32, generator=g) - 0.5) * 0.2).half() if has_mins else None
+    return qweight, scales, mins
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def isa(request):
+    lib = kernels.library()
+    assert lib is not None, "the compiled kernels are missing: `make` builds them"
+    if request.param == "avx2" and kernels.isa() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    lib.brisk_kernels_force_scalar(request.param == "scalar")
+    yield request.param
+    lib.brisk_kernels_force_scalar(0)
+
+
+FORMATS = [(4, False), (4, True), (8, False), (8, True)]
+
+
+@pytest.mark.parametrize("bits,has_mins", FORMATS)
+@pytest.mark.parametrize("k", [96, 512])  # 3 blocks (scalar tail of the offset sum), 16 blocks
+def test_kernel_matches_float64_with_the_same_activation_blocks(isa, bits, has_mins, k):
+    qweight, scales, mins = random_blocks(bits, has_mins, 37, k)
+    for rows in (1, 2, 3, 4, 5, 8, 17, 64):
+        x = torch.randn(rows, k) * 3
+        out = kernels.quant_matmul(x, qweight, scales, mins, bits)
+        ref = kernels.reference_matmul(x, qweight, scales, mins, bits)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("bits,has_mins", FORMATS)
+def test_kernel_error_against_float_activations_is_within_half_an_int8_step(isa, bits, has_mins):
+    k = 256
+    qweight, scales, mins = random_blocks(bits, has_mins, 29, k, seed=1)
+    x = torch.randn(9, k)
+    x[:, 5] = 40.0  # an outlier: only its own block gets a coarse grid
+    out = kernels.quant_matmul(x, qweight, scales, mins, bits)
+    exact = kernels.reference_matmul(x, qweight, scales, mins, bits, quantized_activations=False)
+    w = kernels.dequantize(qweight, scales, mins, bits, torch.float64)
+    step = x.view(9, k // 32, 32).abs().amax(-1) / 127  # [rows, blocks]
+    half_step = step.repeat_interleave(32, dim=1).double() / 2  # [rows, k]
+    bound = half_step @ w.abs().T + 1e-5
+    assert bool(((out.double() - exact.double()).abs() <= bound).all())
+    assert float((out - exact).abs().max()) > 0  # the activations really are quantized
+
+
+def test_rows_do_not_depend_on_the_batch(isa):
+    """Greedy batch invariance needs this: a row's output is the same alone or among others."""
+    qweight, scales, mins = random_blocks(4, True, 40, 128)
+    x = torch.randn(19, 128)
+    together = kernels.quant_matmul(x, qweight, scales, mins, 4)
+    for r in (0, 3, 4, 18):
+        alone = kernels.quant_matmul(x[r:r + 1].contiguous(), qweight, scales, mins, 4)
+        assert torch.equal(alone[0], together[r])
+
+
+def test_quant_linear_adds_bias_and_keeps_input_shape():
+    w = torch.randn(10, 64) * 0.1
+    packed = quantize_int8(w)
+    layer = QuantLinear(64, 10, True, QuantFormat(8, False))
+    layer.qweight, layer.scales = packed["qweight"], packed["scales"]
+    layer.bias = torch.nn.Parameter(torch.randn(10))
+    x = torch.randn(2, 3, 64)
+    out = layer(x)
+    assert out.shape == (2, 3, 10) and out.dtype == torch.float32
+    ref = kernels.reference_matmul(x.view(6, 64), packed["qweight"], packed["scales"], None, 8) + layer.bias
+    torch.testing.assert_close(out.view(6, 10), ref, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ quantizers
+
+@pytest.mark.parametrize("quantize,levels", [(quantize_int4, 15), (quantize_int8, 254)])
+def test_quantizers_round_to_the_nearest_level(quantize, levels):
+    w = torch.randn(16, 128)
+    packed = quantize(w)
+    bits = 4 if quantize is quantize_int4 else 8
+    back = kernels.dequantize(packed["qweight"], packed["scales"], packed.get("mins"), bits)
+    blocks = w.view(16, 4, 32)
+    step = (blocks.amax(-1) - blocks.amin(-1)) / 15 if bits == 4 else blocks.abs().amax(-1) / 127
+    err = (back - w).view(16, 4, 32).abs().amax(-1)
+    assert bool((err <= step * 0.5 * 1.01 + 1e-6).all())  # 1%: the scale is stored as float16
+
+
+# ------------------------------------------------------------------ GGUF repacking vs gguf's dequantizer
+
+def _demo_weights(demo_gguf_path, name="blk.0.attn_q.weight"):
+    tensor = next(t for t in _reader(demo_gguf_path).tensors if t.name == name)
+    return gguf_dequantize(tensor.data, tensor.tensor_type)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_legacy_types_repack_bit_for_bit(qtype, demo_gguf_path):
+    weights = _demo_weights(demo_gguf_path)  # real values, [576, 576]
+    raw = gguf_quantize(weights, QT[qtype])
+    arrays = gguf_convert._repack_legacy(raw, *weights.shape, qtype)
+    fmt = gguf_convert.NATIVE_FORMATS[qtype]
+    ours = kernels.dequantize(torch.from_numpy(arrays["qweight"]), torch.from_numpy(arrays["scales"]),
+                              torch.from_numpy(arrays["mins"]) if "mins" in arrays else None, fmt.bits)
+    np.testing.assert_array_equal(ours.numpy(), gguf_dequantize(raw, QT[qtype]))
+
+
+def test_q4_k_maps_onto_int4_blocks_within_float16_scale_rounding():
+    rng = np.random.default_rng(7)
+    rows, cols = 8, 512
+    raw = _random_blocks("Q4_K", rows * cols // 256, rng).reshape(rows, -1)
+    arrays = gguf_convert._repack_q4_k(raw, rows, cols)
+    ours = kernels.dequantize(torch.from_numpy(arrays["qweight"]), torch.from_numpy(arrays["scales"]),
+                              torch.from_numpy(arrays["mins"]), 4).numpy()
+    expected = gguf_dequantize(raw, QT.Q4_K).reshape(rows, cols)
+    # each block's scale and offset were rounded to float16: relative error <= 2^-11 of each
+    scale = np.abs(arrays["scales"].astype(np.float32)).repeat(32, axis=1)
+    offset = np.abs(arrays["mins"].astype(np.float32)).repeat(32, axis=1)
+    assert np.all(np.abs(ours - expected) <= (15 * scale + offset) * 2.0 ** -11 * 1.01 + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_five_and_six_bit_types_become_int8_within_half_a_step(qtype):
+    rng = np.random.default_rng(3)
+    rows, cols = 4, 256
+    raw = _random_blocks(qtype, rows * cols // gguf.GGML_QUANT_SIZES[QT[qtype]][0], rng).reshape(rows, -1)
+    expected = gguf_dequantize(raw, QT[qtype]).reshape(rows, cols)
+    packed = quantize_int8(torch.from_numpy(np.ascontiguousarray(expected)))
+    ours = kernels.dequantize(packed["qweight"], packed["scales"], None, 8).numpy()
+    half_step = np.abs(expected).reshape(rows, -1, 32).max(-1).repeat(32, axis=1) / 127 / 2
+    assert np.all(np.abs(ours - expected) <= half_step * 1.01 + 1e-6)
+
+
+# ------------------------------------------------------------------ whole models
+
+SMALL = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, context=128)
+
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0"])
+def random_gguf(request, tmp_path_factory, demo_gguf_path):
+    path = tmp_path_factory.mktemp("gguf") / f"small-{request.param}.gguf"
+    return write_random_gguf(path, SMALL, request.param, demo_gguf_path, tied_embeddings=request.param == "Q8_0")
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path):
+    return gguf.GGUFReader(str(path))  # slow to open (the demo tokenizer's 49k-entry arrays): once per file
+
+
+def _gguf_float(path, name):
+    t = next(t for t in _reader(path).tensors if t.name == name)
+    return torch.from_numpy(gguf_dequantize(t.data, t.tensor_type).copy())
+
+
+def _logits(loaded, ids):
+    cache = SingleSequenceCache(loaded.config, len(ids), torch.float32, "cpu")
+    cache.begin(len(ids))
+    with torch.inference_mode():
+        return loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache))
+
+
+def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
+    """Every quantized matrix of the served model equals gguf's dequantization of the file
+    (fused, and with llama.cpp's Q/K row permutation undone)."""
+    loaded = load(str(random_gguf))
+    layer = loaded.model.model.layers[1]
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear)
+    q, k, v = (_gguf_float(random_gguf, f"blk.1.attn_{p}.weight") for p in "qkv")
+    q = torch.from_numpy(gguf_convert._unpermute(q.numpy(), SMALL.heads))
+    k = torch.from_numpy(gguf_convert._unpermute(k.numpy(), SMALL.kv_heads))
+    assert torch.equal(qkv.dequantized(), torch.cat([q, k, v]))
+    assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
+    head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
+    assert torch.equal(loaded.model.lm_head.dequantized(), _gguf_float(random_gguf, head_name))
+    ids = torch.tensor([3, 17, 99])
+    assert torch.equal(loaded.model.model.embed_tokens(ids), _gguf_float(random_gguf, "token_embd.weight")[ids])
+
+
+def test_quantized_model_equals_the_float_model_up_to_activation_rounding(random_gguf, brisk_cache, monkeypatch):
+    """With the kernel's int8 activation blocks swapped for float activations, the quantized
+    model computes the float32 model's logits; with them, the top token rarely changes."""
+    ids = list(range(5, 45))
+    float_model = load(str(random_gguf), quantization="none")
+    assert not float_model.report.weight_formats
+    quantized = load(str(random_gguf))
+    reference = _logits(float_model, ids)
+    served = _logits(quantized, ids)
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "quant_matmul",
+                  lambda *a: kernels.reference_matmul(*a, quantized_activations=False))
+        exact = _logits(quantized, ids)
+    torch.testing.assert_close(exact, reference, rtol=1e-4, atol=1e-4)
+    assert float((served - reference).abs().max()) > 0
+    agreement = float((served.argmax(-1) == reference.argmax(-1)).float().mean())
+    assert agreement >= 0.9
+
+
+def test_demo_model_is_served_quantized_with_a_load_report(demo):
+    formats = demo.report.weight_formats
+    assert formats["qkv_proj"] == formats["gate_up_proj"] == formats["down_proj"] == "int4+min"  # Q4_1
+    assert formats["embed_tokens"] == formats["lm_head"] == "int8"  # its Q8_0 embedding, tied head
+    assert demo.model.lm_head.qweight is demo.model.model.embed_tokens.qweight  # one copy
+    assert 80e6 < demo.report.weight_bytes < 120e6  # vs 538 MB as float32
+    assert any("quantized weights: " in line and "qkv_proj int4+min" in line for line in demo.report.lines())
+    assert demo.report.to_dict()["weight_formats"] == formats
+
+
+def test_float_checkpoint_quantized_at_load(tmp_path, brisk_cache):
+    from test_rope_and_hf_dirs import ROPE_CASES, _hf_config, _hf_logits, _save
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(_hf_config(ROPE_CASES["default"])).eval()
+    path = _save(hf, tmp_path / "hf")
+    ids = list(range(1, 30))
+    reference = _hf_logits(hf, ids)
+    for method, fmt in (("int8", "int8"), ("int4", "int4+min")):
+        loaded = load(str(path), quantization=method, max_model_len=32, warmup=False)
+        assert set(loaded.report.weight_formats.values()) == {fmt}
+        assert "lm_head" in loaded.report.weight_formats and "embed_tokens" not in loaded.report.weight_formats
+        got = _logits(loaded, ids)
+        rel = float((got - reference).norm() / reference.norm())
+        assert rel < (0.02 if method == "int8" else 0.15), (method, rel)
+    assert not load(str(path), max_model_len=32, warmup=False).report.weight_formats  # default: stays float
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_int4_needs_dimensions_in_whole_groups(tmp_path, brisk_cache):
+    from test_rope_and_hf_dirs import ROPE_CASES, _hf_config, _save
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM(_hf_config(ROPE_CASES["default"], hidden_size=48, num_attention_heads=4,
+                                     num_key_value_heads=2)).eval()
+    path = _save(hf, tmp_path / "hf48")
+    with pytest.raises(BriskError, match=r"--quantization int4: tensor \S+ has shape \[\d+, 48\].*"
+                                         r"multiple of the group size 32.*--quantization none"):
+        load(str(path), quantization="int4", max_model_len=32, warmup=False)
+
+
+def test_unknown_quantization_is_named(brisk_cache):
+    with pytest.raises(BriskError, match="--quantization 'fp4' is not supported; use auto, none, int8, int4"):
+        load(quantization="fp4")
+
+
+def test_gguf_type_brisk_cannot_read_names_the_tensor(tmp_path, brisk_cache, demo_gguf_path):
+    path = tmp_path / "q2k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    vocab = _copy_tokenizer(writer, demo_gguf_path)
+    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 256),
+                       ("feed_forward_length", 256), ("attention.head_count", 2)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_uint32("llama.vocab_size", vocab)
+    block_bytes = gguf.GGML_QUANT_SIZES[QT.Q2_K][1]
+    writer.add_tensor("token_embd.weight", np.zeros((vocab, block_bytes), dtype=np.uint8), raw_dtype=QT.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"tensor token_embd\.weight uses quantization Q2_K, which brisk can "
+                                             r"neither run nor dequantize .*re-quantize the model"):
+        load(str(path))
