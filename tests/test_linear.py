@@ -77,3 +77,26 @@ def test_bfloat16_packed_matches_f_linear():
     assert out.dtype == torch.bfloat16
     reference = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_mapped_weights_give_their_pages_back_and_stay_readable(tmp_path):
+    """The loader releases a packed linear's float original (a view of the mapped file)."""
+    from safetensors.torch import save_file
+
+    from brisk.loading.safetensors_io import load_file
+
+    weight = torch.randn(4096, 2048)  # 32 MiB
+    save_file({"w": weight}, str(tmp_path / "w.safetensors"))
+    tensors, mapped = load_file(tmp_path / "w.safetensors")
+    view = tensors["w"]
+    assert float(view.sum()) == pytest.approx(float(weight.sum()), rel=1e-4)  # touch every page
+    before = _rss_bytes()
+    assert mapped.release(view)
+    assert before - _rss_bytes() > 0.9 * view.numel() * 4
+    assert torch.equal(view, weight)  # read again from the file
+    assert not mapped.release(torch.randn(1024))  # not in the map: refused, never zeroed

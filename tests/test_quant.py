@@ -26,9 +26,9 @@ from gguf.quants import quantize as gguf_quantize
 from test_dequant import _random_blocks
 
 from brisk import kernels
-from brisk.errors import BriskError, ModelLoadError
+from brisk.errors import BriskError
 from brisk.loading import gguf_convert
-from brisk.loading.gguf_random import Shape, _copy_tokenizer, write_random_gguf
+from brisk.loading.gguf_random import Shape, write_random_gguf
 from brisk.loading.loader import load
 from brisk.models.quant import QuantFormat, QuantLinear, quantize_int4, quantize_int8
 from brisk.models.simple_cache import SingleSequenceCache
@@ -280,20 +280,17 @@ def test_unknown_quantization_is_named(brisk_cache):
         load(quantization="fp4")
 
 
-def test_gguf_type_brisk_cannot_read_names_the_tensor(tmp_path, brisk_cache, demo_gguf_path):
-    path = tmp_path / "q2k.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    vocab = _copy_tokenizer(writer, demo_gguf_path)
-    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 256),
-                       ("feed_forward_length", 256), ("attention.head_count", 2)):
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_uint32("llama.vocab_size", vocab)
-    block_bytes = gguf.GGML_QUANT_SIZES[QT.Q2_K][1]
-    writer.add_tensor("token_embd.weight", np.zeros((vocab, block_bytes), dtype=np.uint8), raw_dtype=QT.Q2_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ModelLoadError, match=r"tensor token_embd\.weight uses quantization Q2_K, which brisk can "
-                                             r"neither run nor dequantize .*re-quantize the model"):
-        load(str(path))
+def test_a_model_that_cannot_fit_is_refused_before_conversion(tmp_path, monkeypatch):
+    from brisk.engine import memory
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BRISK_CACHE", str(cache))
+    monkeypatch.setattr(memory, "available_memory", lambda device: 300 * 2**20)
+    # float32: 538 MB of weights + 8192 tokens x 46 KB of KV > 300 MiB
+    with pytest.raises(BriskError, match=r"does not fit: its weights take 0\.50 GiB and one 8192-token sequence of "
+                                         r"KV cache 0\.35 GiB, but 0\.29 GiB of memory is available; use a smaller "
+                                         r"--quantization"):
+        load(quantization="none")
+    assert not (cache / "converted").exists() or not any((cache / "converted").iterdir())
+    # int8 weights (143 MB) + a 2048-token window (94 MB) fit the same 300 MiB
+    assert load(quantization="int8", max_model_len=2048, warmup=False).report.weight_bytes == 143025408

@@ -77,9 +77,9 @@ def write_hf_dir(gguf_path: Path, out: Path) -> Path:
     from brisk.loading import gguf_convert
     from brisk.loading.cache_dir import cache_dir
 
-    src = gguf_convert.converted_dir(cache_dir(), gguf_path)
+    src = gguf_convert.converted_dir(cache_dir(), gguf_path, "none")  # float32 tensors
     if not (src / "config.json").exists():
-        gguf_convert.convert(gguf_path, src)
+        gguf_convert.convert(gguf_path, src, "none")
     config = json.loads((src / "config.json").read_text())
     config.pop("brisk_layout", None)
     config["torch_dtype"] = "float32"
@@ -163,11 +163,11 @@ def server_command(system: str, port: int, work: Path, venvs: dict[str, Path]) -
             "--n_threads", str(os.cpu_count() or 2)], env
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> float:
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900, model: str = MODEL_ID) -> float:
     """Seconds until the server completes a 1-token request (an open socket or a model list
     during loading is not ready)."""
     start = time.perf_counter()
-    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     while time.perf_counter() - start < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
@@ -180,9 +180,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> floa
     raise RuntimeError("not ready in time")
 
 
-def bench(url: str, concurrency: int, out: Path) -> dict:
+def bench(url: str, concurrency: int, out: Path, model: str = MODEL_ID) -> dict:
     n = max(8, 2 * concurrency)
-    cmd = [sys.executable, "-m", "brisk", "bench", url, "--model", MODEL_ID, "--endpoint", "chat",
+    cmd = [sys.executable, "-m", "brisk", "bench", url, "--model", model, "--endpoint", "chat",
            "--concurrency", str(concurrency), "--num-requests", str(n), "--warmup", "2", "--input-len", "12",
            "--output-len", "64", "--json", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)

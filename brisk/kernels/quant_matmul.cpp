@@ -173,36 +173,55 @@ float offset_term(const Weights& w, int64_t n, const float* s, int64_t nb) {
     return factor * total;
 }
 
-// MT activation rows against one weight row n.
-template <int MT>
+// A tile of MT activation rows x NT weight rows: each activation block is loaded once for NT
+// weight rows, each weight block once for MT activation rows, and the MT * NT accumulators are
+// independent chains, so the FMA latency is hidden.
+template <int MT, int NT>
 __attribute__((target("avx2,fma,f16c")))
-void dot_rows_avx2(const Weights& w, int64_t n, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+void dot_tile_avx2(const Weights& w, int64_t n0, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
     const int64_t nb = K / QK;
-    __m256 acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
-    const uint16_t* drow = w.d + n * nb;
+    __m256 acc[MT][NT];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    const int8_t* y0 = a.q + r0 * K;
+    const float* yd0 = a.d + r0 * nb;
     for (int64_t b = 0; b < nb; b++) {
-        const float d = _cvtsh_ss(drow[b]);
-        __m256i wq;
-        __m256i wsign = _mm256_setzero_si256();
-        if (w.bits == 4) {
-            wq = load_int4_block(w.q + n * (K / 2) + b * (QK / 2));
-        } else {
-            wsign = _mm256_loadu_si256((const __m256i*)(w.q + n * K + b * QK));
-            wq = _mm256_sign_epi8(wsign, wsign);  // |q|; the sign moves onto the activations
+        float d[NT];
+        __m256i wq[NT], wsign[NT];
+        for (int j = 0; j < NT; j++) {
+            const int64_t n = n0 + j;
+            d[j] = _cvtsh_ss(w.d[n * nb + b]);
+            if (w.bits == 4) {
+                wq[j] = load_int4_block(w.q + n * (K / 2) + b * (QK / 2));
+            } else {
+                wsign[j] = _mm256_loadu_si256((const __m256i*)(w.q + n * K + b * QK));
+                wq[j] = _mm256_sign_epi8(wsign[j], wsign[j]);  // |q|; the sign moves onto the activations
+            }
         }
         for (int i = 0; i < MT; i++) {
-            const int64_t r = r0 + i;
-            __m256i y = _mm256_loadu_si256((const __m256i*)(a.q + r * K + b * QK));
-            if (w.bits == 8) y = _mm256_sign_epi8(y, wsign);
-            const __m256 p = _mm256_cvtepi32_ps(block_dot_u8s8(wq, y));
-            acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a.d[r * nb + b]), acc[i]);
+            const __m256i y = _mm256_loadu_si256((const __m256i*)(y0 + i * K + b * QK));
+            const float yd = yd0[i * nb + b];
+            for (int j = 0; j < NT; j++) {
+                const __m256i ys = w.bits == 8 ? _mm256_sign_epi8(y, wsign[j]) : y;
+                const __m256 p = _mm256_cvtepi32_ps(block_dot_u8s8(wq[j], ys));
+                acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * yd), acc[i][j]);
+            }
         }
     }
-    for (int i = 0; i < MT; i++) {
-        const int64_t r = r0 + i;
-        out[r * N + n] = hsum(acc[i]) + offset_term(w, n, a.s + r * nb, nb);
-    }
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NT; j++)
+            out[(r0 + i) * N + n0 + j] = hsum(acc[i][j]) + offset_term(w, n0 + j, a.s + (r0 + i) * nb, nb);
+}
+
+// Rows r..r+mt-1 (mt <= 4) against weight rows [n_begin, n_end).
+template <int MT>
+__attribute__((target("avx2,fma,f16c")))
+void rows_avx2(const Weights& w, const Acts& a, int64_t r, int64_t n_begin, int64_t n_end, int64_t K, float* out,
+               int64_t N) {
+    constexpr int NT = MT >= 3 ? 2 : 4;  // few activation rows: more weight rows per tile
+    int64_t n = n_begin;
+    for (; n + NT <= n_end; n += NT) dot_tile_avx2<MT, NT>(w, n, a, r, K, out, N);
+    for (; n < n_end; n++) dot_tile_avx2<MT, 1>(w, n, a, r, K, out, N);
 }
 
 bool force_scalar = false;  // tests run the portable path on any CPU
@@ -222,22 +241,22 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t n_end = std::min(N, (t + 1) * ROWS_PER_TASK);
+        const int64_t n_begin = t * ROWS_PER_TASK;
         for (int64_t r = 0; r < M;) {
-            const int64_t left = M - r;
-            for (int64_t n = t * ROWS_PER_TASK; n < n_end; n++) {
-                if (!avx2) {
-                    for (int64_t i = 0; i < std::min<int64_t>(left, MT); i++) out[(r + i) * N + n] = dot_scalar(w, n, a, r + i, K);
-                } else if (left >= 4) {
-                    dot_rows_avx2<4>(w, n, a, r, K, out, N);
-                } else if (left == 3) {
-                    dot_rows_avx2<3>(w, n, a, r, K, out, N);
-                } else if (left == 2) {
-                    dot_rows_avx2<2>(w, n, a, r, K, out, N);
-                } else {
-                    dot_rows_avx2<1>(w, n, a, r, K, out, N);
-                }
+            const int64_t mt = std::min<int64_t>(M - r, MT);
+            if (!avx2) {
+                for (int64_t n = n_begin; n < n_end; n++)
+                    for (int64_t i = 0; i < mt; i++) out[(r + i) * N + n] = dot_scalar(w, n, a, r + i, K);
+            } else if (mt == 4) {
+                rows_avx2<4>(w, a, r, n_begin, n_end, K, out, N);
+            } else if (mt == 3) {
+                rows_avx2<3>(w, a, r, n_begin, n_end, K, out, N);
+            } else if (mt == 2) {
+                rows_avx2<2>(w, a, r, n_begin, n_end, K, out, N);
+            } else {
+                rows_avx2<1>(w, a, r, n_begin, n_end, K, out, N);
             }
-            r += std::min<int64_t>(left, MT);
+            r += mt;
         }
     }
 }

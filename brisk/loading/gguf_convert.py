@@ -208,6 +208,25 @@ def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> 
     return (rows, cols // QK)
 
 
+def check_type(source: str, name: str, qtype: str) -> str:
+    if qtype not in DEQUANTIZERS:
+        raise ModelLoadError(
+            f"{source}: tensor {name} uses quantization {qtype}, which brisk can neither run nor "
+            f"dequantize (it reads {', '.join(DEQUANTIZERS)}); re-quantize the model to one of those, "
+            "e.g. `llama-quantize model.gguf out.gguf Q4_K_M`")
+    return qtype
+
+
+def target_format(name: str, qtype: str, shape: tuple[int, ...], quantization: str) -> QuantFormat | None:
+    """How a tensor is stored: None = float32, else its quantized format."""
+    if len(shape) != 2 or quantization == "none":
+        return None
+    if quantization in _REQUANTIZED_FORMATS:
+        check_quantizable(name, shape, quantization)
+        return _REQUANTIZED_FORMATS[quantization]
+    return None if qtype in FLOAT_TYPES else NATIVE_FORMATS[qtype]
+
+
 class _Tensors:
     """GGUF tensors in HF orientation ([out, in]): dequantized to float32, or kept as quantized blocks."""
 
@@ -222,23 +241,10 @@ class _Tensors:
         return tuple(int(d) for d in reversed(self.by_name[name].shape))
 
     def qtype(self, name: str) -> str:
-        qtype = self.by_name[name].tensor_type.name
-        if qtype not in DEQUANTIZERS:
-            raise ModelLoadError(
-                f"{self.source}: tensor {name} uses quantization {qtype}, which brisk can neither run nor "
-                f"dequantize (it reads {', '.join(DEQUANTIZERS)}); re-quantize the model to one of those, "
-                "e.g. `llama-quantize model.gguf out.gguf Q4_K_M`")
-        return qtype
+        return check_type(self.source, name, self.by_name[name].tensor_type.name)
 
     def target_format(self, name: str) -> QuantFormat | None:
-        """How a tensor is stored: None = float32, else its quantized format."""
-        qtype = self.qtype(name)
-        if len(self.shape(name)) != 2 or self.quantization == "none":
-            return None
-        if self.quantization in _REQUANTIZED_FORMATS:
-            check_quantizable(name, self.shape(name), self.quantization)
-            return _REQUANTIZED_FORMATS[self.quantization]
-        return None if qtype in FLOAT_TYPES else NATIVE_FORMATS[qtype]
+        return target_format(name, self.qtype(name), self.shape(name), self.quantization)
 
     def _unpermuted(self, name: str, values: np.ndarray) -> np.ndarray:
         if self.permute and name.endswith(("attn_q.weight", "attn_q.bias")):

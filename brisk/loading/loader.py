@@ -15,7 +15,7 @@ import torch
 from brisk import kernels
 from brisk.config import ModelConfig
 from brisk.errors import BriskError, ModelLoadError
-from brisk.loading import gguf_convert, safetensors_io
+from brisk.loading import gguf_convert, memory_plan, safetensors_io
 from brisk.loading.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
 from brisk.models.linear import Linear
@@ -146,6 +146,22 @@ def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
         tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits)
 
 
+def _check_memory(source: Path, model_dir: Path, quantization: str, max_model_len: int | None,
+                  device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a model that cannot fit before reading (or converting) any weight."""
+    from brisk.engine.memory import available_memory
+
+    if (model_dir / "config.json").exists():
+        cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))
+        weights = memory_plan.checkpoint_weight_bytes(model_dir, quantization, dtype.itemsize)
+        per_token, window = cfg.kv_bytes_per_token(dtype.itemsize), cfg.max_position_embeddings
+    else:  # a GGUF not converted yet: its header says it all
+        weights, meta = memory_plan.gguf_weight_bytes(source, quantization)
+        per_token = memory_plan.gguf_kv_bytes_per_token(meta, dtype.itemsize)
+        window = meta.get(f"{meta.get('general.architecture')}.context_length") or 2048
+    memory_plan.check_fits(weights, per_token, max_model_len or window, available_memory(device), str(source))
+
+
 def _layer_formats(formats: dict[str, str]) -> dict[str, str]:
     """{module name: format} -> {layer type: format(s)}, for the load report."""
     by_type: dict[str, set[str]] = {}
@@ -177,10 +193,15 @@ def _to_cuda(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torc
     return out
 
 
-def _warmup(model: LlamaForCausalLM, cfg: ModelConfig, device, dtype) -> None:
+def _warmup(model: LlamaForCausalLM, cfg: ModelConfig, device, dtype,
+            maps: list[safetensors_io.MappedFile]) -> None:
     for module in model.modules():  # oneDNN weight layouts now, not on the first request
         if isinstance(module, Linear):
             module.prepare()
+            # NOTE: the packed copy is what runs; the float original (a view of the mapped file)
+            # gives its pages back instead of doubling the linears' memory.
+            if module.is_packed:
+                any(m.release(module.weight) for m in maps)
     cache = SingleSequenceCache(cfg, max_len=8, dtype=dtype, device=device)
     ids = torch.zeros(8, dtype=torch.long, device=device)
     with torch.inference_mode():
@@ -208,6 +229,8 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
     if source.kind == "gguf":
         report.format = "gguf"
         model_dir = gguf_convert.converted_dir(cache_root, source.path, quantization)
+        with report.phase("memory_check"):
+            _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype)
         if (model_dir / "config.json").exists():
             report.conversion_cache = "hit"
         else:
@@ -216,6 +239,8 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
                 report.add(name, ms)
     else:
         report.format = "safetensors"
+        with report.phase("memory_check"):
+            _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype)
 
     with report.phase("config"):
         cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))
@@ -253,5 +278,5 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
         tokenizer = Tokenizer.from_dir(model_dir, _eos_ids(model_dir, cfg))
     if warmup:
         with report.phase("first_forward"):
-            _warmup(net, cfg, dev, torch_dtype)
+            _warmup(net, cfg, dev, torch_dtype, maps)
     return LoadedModel(net, tokenizer, cfg, model_dir, dev, torch_dtype, max_len, report, source.name, maps)

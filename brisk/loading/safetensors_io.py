@@ -8,6 +8,7 @@ while a background thread pulls the next shard's pages into the page cache.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import struct
@@ -79,6 +80,20 @@ class MappedFile:
         self.path = path
         with open(path, "rb") as f:
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm)) if len(self.mm) else 0
+
+    def release(self, t: torch.Tensor) -> bool:
+        """Drop the pages of `t` (a view of this map) from the process's memory; read again from
+        the file only if touched again. For weights that live on in a packed copy. False if `t`
+        is not in this map (an anonymous tensor must keep its pages: for it this would zero them)."""
+        start = t.data_ptr() - self.base
+        end = start + t.numel() * t.element_size()
+        if start < 0 or end > len(self.mm) or not hasattr(self.mm, "madvise"):
+            return False
+        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self.mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return True
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         numel = 1

@@ -55,6 +55,10 @@ class Linear(nn.Linear):
         if self._packable(self.weight):
             self._pack()
 
+    @property
+    def is_packed(self) -> bool:
+        return self._packed is not None
+
     def _packable(self, x: torch.Tensor) -> bool:
         return (not self._pack_failed and self.weight.dtype in _PACKABLE and x.dtype == self.weight.dtype
                 and x.device.type == "cpu" and self.weight.device.type == "cpu")

@@ -1,0 +1,141 @@
+"""brisk vs llama.cpp's native `llama-server` on quantized GGUF models, same machine, same client.
+
+Writes a TinyLlama-shaped (hidden 2048, 22 layers, FFN 5632, 32/4 heads; 1.1B parameters with
+the demo tokenizer's 49k vocabulary) random-weight GGUF in each requested type with the demo
+model's tokenizer (`brisk.loading.gguf_random`), and also serves the demo model's own Q4_1
+GGUF. For each model and server: process start -> first 1-token chat completion (brisk twice:
+the first start converts the GGUF into the cache, the second is the warm-cache start users
+see), resident memory (VmRSS after the runs and VmHWM, the peak), and the same `brisk bench`
+streaming workload at 1/16/64 concurrent streams (short chat prompts, 64-token replies,
+ignore_eos) as benchmarks/peers/run_peers.py. Prints the machine's read bandwidth beside it.
+
+llama-server is the native build with `--parallel` slots and continuous batching, from the
+llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
+    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \\
+        -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2
+
+    .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
+        [--work DIR] [--types Q4_0,Q8_0,demo] [--systems brisk,llama-server] [--concurrency 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / "peers")]
+
+from decode_speed import read_bandwidth_gbs  # noqa: E402
+from run_peers import bench, free_port, wait_ready  # noqa: E402
+
+MODEL_ID = "bench-model"
+SLOT_CONTEXT = 256  # tokens per llama-server slot: a 12-token prompt in the chat template + 64 replies
+
+
+def model_path(kind: str, work: Path) -> Path:
+    from brisk.loading.gguf_random import TINYLLAMA, write_random_gguf
+    from brisk.models.registry import resolve
+
+    demo = resolve("smollm2-135m-instruct").path
+    if kind == "demo":
+        return demo
+    path = work / f"tinyllama-shape-{kind}.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        write_random_gguf(tmp, TINYLLAMA, kind, demo)
+        tmp.rename(path)
+    return path
+
+
+def command(system: str, gguf: Path, port: int, args) -> list[str]:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if system == "brisk":
+        return [sys.executable, "-m", "brisk", "serve", str(gguf), "--port", str(port), "--served-model-name",
+                MODEL_ID, "--max-model-len", "2048", "--max-num-seqs", str(max(levels))]
+    slots = max(levels)
+    return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_ID,
+            "--parallel", str(slots), "-c", str(slots * SLOT_CONTEXT), "-t", str(os.cpu_count() or 2)]
+
+
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of a process in MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+
+
+def start(system: str, gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str, float]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(command(system, gguf, port, args), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return proc, url, wait_ready(url, proc, model=MODEL_ID)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_one(system: str, kind: str, args) -> str:
+    gguf = model_path(kind, args.work)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    log = args.work / f"{system}-{kind}.log"
+    first_start = ""
+    try:
+        if system == "brisk":  # the first start converts into the cache; time the warm one after it
+            proc, _, ready = start(system, gguf, args, log)
+            stop(proc)
+            first_start = f"{ready:.1f} s / "
+        proc, url, ready = start(system, gguf, args, log)
+    except RuntimeError as e:
+        return f"| {kind} | {system} | failed: {e} (see {log}) |"
+    try:
+        runs = {c: bench(url, c, args.work / f"{system}-{kind}-c{c}.json", model=MODEL_ID) for c in levels}
+        rss, hwm = memory_mb(proc.pid)
+    except subprocess.CalledProcessError as e:
+        return f"| {kind} | {system} | bench failed: {e.stderr[-300:]} |"
+    finally:
+        stop(proc)
+    cells = " | ".join(f"{runs[c]['output_throughput']:.1f}" for c in levels)
+    top = runs[levels[-1]]
+    return (f"| {kind} | {system} | {first_start}{ready:.1f} s | {cells} | {top['median_ttft_ms'] / 1e3:.2f} s "
+            f"| {rss:.0f} / {hwm:.0f} MB | {sum(r['failed'] for r in runs.values())} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--llama-server", required=False, default=None, help="path of a native llama-server build")
+    parser.add_argument("--work", type=Path, default=HERE / "peers" / ".work")
+    parser.add_argument("--types", default="Q4_0,Q8_0,demo")
+    parser.add_argument("--systems", default="brisk,llama-server")
+    parser.add_argument("--concurrency", default="1,16,64")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    systems = args.systems.split(",")
+    if "llama-server" in systems and not args.llama_server:
+        parser.error("--llama-server PATH is needed to run llama-server (see this script's docstring)")
+    bandwidth, how = read_bandwidth_gbs()
+    print(f"machine read bandwidth: {bandwidth:.1f} GB/s ({how})", flush=True)
+    levels = args.concurrency.split(",")
+    rows = []
+    for kind in args.types.split(","):
+        for system in systems:
+            rows.append(run_one(system, kind, args))
+            print(rows[-1], flush=True)
+    print()
+    print("| model | server | ready after start (brisk: cold cache / warm) | "
+          + " | ".join(f"tok/s @{c}" for c in levels) + f" | TTFT p50 @{levels[-1]} | RSS / peak | failed |")
+    print("|---|---|---|" + "---|" * len(levels) + "---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Will the model fit? Weights as they will be stored + one max-length sequence of KV cache,
+against the memory available, computed from file headers alone, before any weight is read
+or converted: a model that cannot fit is refused at start with the numbers.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from brisk.errors import BriskError
+from brisk.loading import safetensors_io
+
+# GGUF metadata value types -> struct format of one item (strings and arrays are handled apart)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def take(self, fmt: str):
+        value = struct.unpack_from("<" + fmt, self.data, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return value[0] if len(value) == 1 else value
+
+    def string(self) -> str:
+        length = self.take("Q")
+        self.pos += length
+        return self.data[self.pos - length:self.pos].decode("utf-8", "replace")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.take("I"), self.take("Q")
+            if item_kind in _SCALARS:  # not needed here: skip without decoding
+                self.pos += count * struct.calcsize("<" + _SCALARS[item_kind])
+            else:
+                for _ in range(count):
+                    self.value(item_kind)
+            return None
+        return self.take(_SCALARS[kind])
+
+
+def gguf_header(path: Path) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
+    """(scalar metadata, [(tensor name, type name, shape as [out, in])]) from a GGUF header."""
+    import gguf
+
+    with open(path, "rb") as f:
+        data = f.read(64 << 20)  # headers with a 150k-token vocabulary are ~10 MB
+    cur = _Cursor(data)
+    try:
+        if cur.take("I") != 0x46554747:
+            raise ValueError("not a GGUF file")
+        _version, num_tensors, num_kv = cur.take("I"), cur.take("Q"), cur.take("Q")
+        meta = {}
+        for _ in range(num_kv):
+            key = cur.string()
+            meta[key] = cur.value(cur.take("I"))
+        tensors = []
+        for _ in range(num_tensors):
+            name = cur.string()
+            dims = [cur.take("Q") for _ in range(cur.take("I"))]
+            kind = cur.take("I")
+            cur.take("Q")  # data offset
+            tensors.append((name, gguf.GGMLQuantizationType(kind).name, tuple(reversed(dims))))
+    except (struct.error, ValueError) as e:
+        from brisk.errors import ModelLoadError
+
+        raise ModelLoadError(f"{path}: cannot read the GGUF header ({e}); the file is truncated or corrupt — "
+                             "re-download it") from None
+    return meta, tensors
+
+
+def gguf_weight_bytes(path: Path, quantization: str) -> tuple[int, dict]:
+    """Bytes the converted weights will take, and the GGUF's scalar metadata."""
+    from brisk.loading import gguf_convert
+
+    meta, tensors = gguf_header(path)
+    total = 0
+    for name, qtype, shape in tensors:
+        fmt = gguf_convert.target_format(name, gguf_convert.check_type(str(path), name, qtype), shape, quantization)
+        for suffix, dtype in gguf_convert.stored_arrays(fmt):
+            numel = 1
+            for dim in (shape if fmt is None else gguf_convert.stored_shape(suffix, *shape, fmt)):
+                numel *= dim
+            total += numel * {"F32": 4, "F16": 2, "U8": 1, "I8": 1}[dtype]
+    return total, meta
+
+
+def gguf_kv_bytes_per_token(meta: dict, dtype_bytes: int) -> int:
+    arch = meta.get("general.architecture")
+    heads = meta.get(f"{arch}.attention.head_count") or 1
+    head_dim = meta.get(f"{arch}.attention.key_length") or (meta.get(f"{arch}.embedding_length") or 0) // heads
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv") or heads
+    return 2 * (meta.get(f"{arch}.block_count") or 0) * kv_heads * head_dim * dtype_bytes
+
+
+def checkpoint_weight_bytes(model_dir: Path, quantization: str, dtype_bytes: int) -> int:
+    """Bytes of a safetensors checkpoint's weights once loaded (cast to the dtype, or quantized)."""
+    from brisk.models import quant
+
+    total = 0
+    for file in safetensors_io.checkpoint_files(model_dir):
+        header, _ = safetensors_io.read_header(file)
+        for name, info in header.items():
+            numel = 1
+            for dim in info["shape"]:
+                numel *= int(dim)
+            stored = safetensors_io.DTYPES[info["dtype"]]
+            if name.rpartition(".")[2] in quant.QUANT_SUFFIXES or not stored.is_floating_point:
+                total += numel * stored.itemsize
+            elif quantization in quant.QUANTIZERS and quant.is_quantizable_weight(name):
+                total += int(numel * quant.QuantFormat(4 if quantization == "int4" else 8,
+                                                       quantization == "int4").bits_per_weight / 8)
+            else:
+                total += numel * dtype_bytes
+    return total
+
+
+def check_fits(weight_bytes: int, kv_bytes_per_token: int, max_model_len: int, available_bytes: int,
+               what: str) -> None:
+    """Refuse, with the numbers, a model whose weights + one max-length sequence exceed memory."""
+    kv_bytes = kv_bytes_per_token * max_model_len
+    if weight_bytes + kv_bytes > available_bytes:
+        raise BriskError(
+            f"{what} does not fit: its weights take {weight_bytes / 2**30:.2f} GiB and one {max_model_len}-token "
+            f"sequence of KV cache {kv_bytes / 2**30:.2f} GiB, but {available_bytes / 2**30:.2f} GiB of memory is "
+            "available; use a smaller --quantization (int8, int4; auto keeps a GGUF quantized), a lower "
+            "--max-model-len, or free memory")
