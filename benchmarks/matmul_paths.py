@@ -1,11 +1,14 @@
-"""Per-shape matmul paths for the demo model's linears: torch `F.linear`, numpy (OpenBLAS),
-and oneDNN with weights packed once (`brisk.models.linear`'s path).
+"""Per-shape matmul paths for one decoder step's linears: torch `F.linear`, numpy (OpenBLAS),
+oneDNN with float32 weights packed once (`brisk.models.linear`), and brisk's quantized kernels
+(`brisk.kernels`: int4 and int8 blocks of 32, int8 activation blocks), plus the quantized
+weights dequantized to float32 per call and run through `F.linear` (the alternative for large
+row counts).
 
 For each number of rows M, runs every linear of one decoder step (all layers + lm_head)
-and reports ms per path and the best path's GB/s (M=1) or GFLOP/s. Used to choose
-`brisk.models.linear`'s backend.
+and reports ms per path. Used to choose `brisk.models.linear`'s backend and
+`brisk.models.quant.QuantLinear`'s row threshold.
 
-    .venv/bin/python benchmarks/matmul_paths.py [--rows 1,2,4,8,16,32,64,128,256,512,1024]
+    .venv/bin/python benchmarks/matmul_paths.py [--model PATH] [--rows 1,2,4,8,16,32,64,128,256,512]
 """
 
 import argparse
@@ -14,8 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from brisk import kernels
 from brisk.loading.loader import load
 from brisk.models.linear import PACK_ROWS_HINT
+from brisk.models.quant import quantize_int4, quantize_int8
 
 
 def bench(fn, runs=5):
@@ -28,26 +33,43 @@ def bench(fn, runs=5):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,1024")
+    parser.add_argument("--model", default=None, help="a GGUF or HF dir (default: the demo model)")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     args = parser.parse_args()
-    loaded = load(warmup=False)
+    loaded = load(args.model, quantization="none", warmup=False)
     weights = [m.weight.detach() for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
     arrays_t = [w.numpy().T for w in weights]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
+    int4 = [quantize_int4(w) for w in weights]
+    int8 = [quantize_int8(w) for w in weights]
     nbytes = sum(w.numel() * 4 for w in weights)
-    print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of fp32 weights, torch threads {torch.get_num_threads()}")
-    print("| rows | F.linear ms | numpy ms | oneDNN packed ms | packed vs numpy | packed rate |")
-    print("|---|---|---|---|---|---|")
+    print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of fp32 weights "
+          f"({sum(q['qweight'].numel() for q in int4) / 1e6 * 1.25:.0f} MB as int4), torch threads "
+          f"{torch.get_num_threads()}, kernels {kernels.isa()}")
+    print("| rows | F.linear ms | numpy ms | oneDNN packed fp32 ms | int8 kernel ms | int4 kernel ms "
+          "| int4 dequantized + F.linear ms |")
+    print("|---|---|---|---|---|---|---|")
+
+    def quant(xs, blocks, bits):
+        return [kernels.quant_matmul(xs[w.shape[1]], q["qweight"], q["scales"], q.get("mins"), bits)
+                for w, q in zip(weights, blocks)]
+
+    def dequant_linear(xs):
+        return [F.linear(xs[w.shape[1]], kernels.dequantize(q["qweight"], q["scales"], q["mins"], 4))
+                for w, q in zip(weights, int4)]
+
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
-            t_torch = bench(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights])
-            t_numpy = bench(lambda xs=xs: [xs[a.shape[0]].numpy() @ a for a in arrays_t])
-            t_packed = bench(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                            for w, p in zip(weights, packed)])
-            rate = f"{nbytes / t_packed / 1e9:.0f} GB/s" if m == 1 else f"{2 * m * nbytes / 4 / t_packed / 1e9:.0f} GFLOP/s"
-            print(f"| {m} | {t_torch * 1e3:.1f} | {t_numpy * 1e3:.1f} | {t_packed * 1e3:.1f} "
-                  f"| {t_numpy / t_packed:.2f}x | {rate} |", flush=True)
+            runs = 2 if m >= 128 else 5
+            cells = [bench(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], runs),
+                     bench(lambda xs=xs: [xs[a.shape[0]].numpy() @ a for a in arrays_t], runs),
+                     bench(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                          for w, p in zip(weights, packed)], runs),
+                     bench(lambda xs=xs: quant(xs, int8, 8), runs),
+                     bench(lambda xs=xs: quant(xs, int4, 4), runs),
+                     bench(lambda xs=xs: dequant_linear(xs), runs)]
+            print(f"| {m} | " + " | ".join(f"{t * 1e3:.1f}" for t in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,14 +86,16 @@ def test_kernel_error_against_float_activations_is_within_half_an_int8_step(isa,
     assert float((out - exact).abs().max()) > 0  # the activations really are quantized
 
 
-def test_rows_do_not_depend_on_the_batch(isa):
+@pytest.mark.parametrize("bits,has_mins", FORMATS)
+def test_rows_do_not_depend_on_the_batch(isa, bits, has_mins):
     """Greedy batch invariance needs this: a row's output is the same alone or among others."""
-    qweight, scales, mins = random_blocks(4, True, 40, 128)
-    x = torch.randn(19, 128)
-    together = kernels.quant_matmul(x, qweight, scales, mins, 4)
-    for r in (0, 3, 4, 18):
-        alone = kernels.quant_matmul(x[r:r + 1].contiguous(), qweight, scales, mins, 4)
-        assert torch.equal(alone[0], together[r])
+    qweight, scales, mins = random_blocks(bits, has_mins, 40, 576)  # 18 blocks: groups of 8 and a tail
+    x = torch.randn(19, 576)
+    together = kernels.quant_matmul(x, qweight, scales, mins, bits)
+    for r in (0, 3, 4, 17, 18):
+        for start in (r, max(0, r - 1)):  # alone, and in a tile of two
+            part = kernels.quant_matmul(x[start:r + 1].contiguous(), qweight, scales, mins, bits)
+            assert torch.equal(part[-1], together[r])
 
 
 def test_quant_linear_adds_bias_and_keeps_input_shape():

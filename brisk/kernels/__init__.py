@@ -64,8 +64,6 @@ def _bind(path: Path) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.brisk_quant_matmul.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, i64, p, p, p, p]
     lib.brisk_quant_matmul.restype = None
-    lib.brisk_quantize_activations.argtypes = [p, i64, i64, p, p, p]
-    lib.brisk_quantize_activations.restype = None
     lib.brisk_kernels_isa.restype = ctypes.c_int
     lib.brisk_kernels_force_scalar.argtypes = [ctypes.c_int]
     lib.brisk_kernels_force_scalar.restype = None

@@ -110,7 +110,7 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
 }
 
 __attribute__((target("avx2,fma,f16c")))
-void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, bool paired) {
     const int64_t nb = K / QK;
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -138,7 +138,15 @@ void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float*
             // int32 -> int8 keeping element order (packs work per 128-bit lane, then fix the order)
             __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
             __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
-            _mm256_storeu_si256((__m256i*)(xq + r * K + b * QK), p);
+            int8_t* dst = xq + r * K + b * QK;
+            if (paired && b % 2 == 1) {
+                // pair layout: [b-1 elements 0..15 | b 0..15 | b-1 16..31 | b 16..31], matching the
+                // low and high nibbles of the two int4 blocks' 32 bytes (see dot_pairs_int4)
+                const __m256i prev = _mm256_loadu_si256((const __m256i*)(dst - QK));
+                _mm256_storeu_si256((__m256i*)(dst - QK), _mm256_permute2x128_si256(prev, p, 0x20));
+                p = _mm256_permute2x128_si256(prev, p, 0x31);
+            }
+            _mm256_storeu_si256((__m256i*)dst, p);
             xd[r * nb + b] = d;
             xs[r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
         }
@@ -173,55 +181,113 @@ float offset_term(const Weights& w, int64_t n, const float* s, int64_t nb) {
     return factor * total;
 }
 
-// A tile of MT activation rows x NT weight rows: each activation block is loaded once for NT
-// weight rows, each weight block once for MT activation rows, and the MT * NT accumulators are
-// independent chains, so the FMA latency is hidden.
-template <int MT, int NT>
+// MT activation rows against one weight row n. Blocks alternate between U accumulators per
+// row, so consecutive blocks' FMAs do not wait on each other.
+// NOTE: measured against tiles of 2-4 weight rows x MT activation rows (each activation block
+// loaded once for several weight rows): those were slower at 1-4 rows and no faster at 16-64
+// with AVX2's 16 registers.
+template <int MT, int U>
 __attribute__((target("avx2,fma,f16c")))
-void dot_tile_avx2(const Weights& w, int64_t n0, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+void dot_rows_avx2(const Weights& w, int64_t n, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
     const int64_t nb = K / QK;
-    __m256 acc[MT][NT];
+    __m256 acc[MT][U];
     for (int i = 0; i < MT; i++)
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int u = 0; u < U; u++) acc[i][u] = _mm256_setzero_ps();
+    const uint16_t* drow = w.d + n * nb;
     const int8_t* y0 = a.q + r0 * K;
     const float* yd0 = a.d + r0 * nb;
     for (int64_t b = 0; b < nb; b++) {
-        float d[NT];
-        __m256i wq[NT], wsign[NT];
-        for (int j = 0; j < NT; j++) {
-            const int64_t n = n0 + j;
-            d[j] = _cvtsh_ss(w.d[n * nb + b]);
-            if (w.bits == 4) {
-                wq[j] = load_int4_block(w.q + n * (K / 2) + b * (QK / 2));
-            } else {
-                wsign[j] = _mm256_loadu_si256((const __m256i*)(w.q + n * K + b * QK));
-                wq[j] = _mm256_sign_epi8(wsign[j], wsign[j]);  // |q|; the sign moves onto the activations
-            }
+        const int u = (int)(b % U);
+        const float d = _cvtsh_ss(drow[b]);
+        __m256i wq, wsign = _mm256_setzero_si256();
+        if (w.bits == 4) {
+            wq = load_int4_block(w.q + n * (K / 2) + b * (QK / 2));
+        } else {
+            wsign = _mm256_loadu_si256((const __m256i*)(w.q + n * K + b * QK));
+            wq = _mm256_sign_epi8(wsign, wsign);  // |q|; the sign moves onto the activations
         }
         for (int i = 0; i < MT; i++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i*)(y0 + i * K + b * QK));
-            const float yd = yd0[i * nb + b];
-            for (int j = 0; j < NT; j++) {
-                const __m256i ys = w.bits == 8 ? _mm256_sign_epi8(y, wsign[j]) : y;
-                const __m256 p = _mm256_cvtepi32_ps(block_dot_u8s8(wq[j], ys));
-                acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * yd), acc[i][j]);
-            }
+            __m256i y = _mm256_loadu_si256((const __m256i*)(y0 + i * K + b * QK));
+            if (w.bits == 8) y = _mm256_sign_epi8(y, wsign);
+            const __m256 p = _mm256_cvtepi32_ps(block_dot_u8s8(wq, y));
+            acc[i][u] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * yd0[i * nb + b]), acc[i][u]);
         }
     }
-    for (int i = 0; i < MT; i++)
-        for (int j = 0; j < NT; j++)
-            out[(r0 + i) * N + n0 + j] = hsum(acc[i][j]) + offset_term(w, n0 + j, a.s + (r0 + i) * nb, nb);
+    for (int i = 0; i < MT; i++) {
+        __m256 total = acc[i][0];
+        for (int u = 1; u < U; u++) total = _mm256_add_ps(total, acc[i][u]);
+        out[(r0 + i) * N + n] = hsum(total) + offset_term(w, n, a.s + (r0 + i) * nb, nb);
+    }
 }
 
-// Rows r..r+mt-1 (mt <= 4) against weight rows [n_begin, n_end).
+// int4, AVX2: two blocks per step. Their 32 bytes hold the low halves of both blocks in the
+// low nibbles and the high halves in the high nibbles; the activations were quantized in the
+// matching pair layout, so one load, two masks and two maddubs cover 64 weights. Scales come
+// eight blocks at a time as vectors (weight scales x activation scales), and each pair takes
+// its two from there with one permute: about 4 instructions a block and row, against 8.
+template <int MT, int U>
+__attribute__((target("avx2,fma,f16c")))
+void dot_pairs_int4(const Weights& w, int64_t n, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK, npairs = nb / 2;
+    const uint8_t* wrow = w.q + n * (K / 2);
+    const uint16_t* drow = w.d + n * nb;
+    const int8_t* y0 = a.q + r0 * K;
+    const float* yd0 = a.d + r0 * nb;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MT][U];
+    for (int i = 0; i < MT; i++)
+        for (int u = 0; u < U; u++) acc[i][u] = _mm256_setzero_ps();
+    alignas(32) float scale[MT][8];
+    int64_t pair = 0;
+    for (; pair < npairs; pair++) {
+        const int64_t b = 2 * pair;
+        const int k = (int)(pair % 4);
+        if (k == 0) {  // the next 8 blocks' scales (fewer at the end: built one pair at a time)
+            if (b + 8 <= nb) {
+                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(drow + b)));
+                for (int i = 0; i < MT; i++) _mm256_store_ps(scale[i], _mm256_mul_ps(sw, _mm256_loadu_ps(yd0 + i * nb + b)));
+            } else {
+                for (int i = 0; i < MT; i++)
+                    for (int j = 0; b + j < nb && j < 8; j++) scale[i][j] = _cvtsh_ss(drow[b + j]) * yd0[i * nb + b + j];
+            }
+        }
+        const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1);
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(wrow + b * (QK / 2)));
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int i = 0; i < MT; i++) {
+            const int8_t* y = y0 + i * K + b * QK;
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)y)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(y + QK))));
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+            const __m256 sc = _mm256_permutevar8x32_ps(_mm256_load_ps(scale[i]), idx);
+            acc[i][pair % U] = _mm256_fmadd_ps(p, sc, acc[i][pair % U]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        __m256 total = acc[i][0];
+        for (int u = 1; u < U; u++) total = _mm256_add_ps(total, acc[i][u]);
+        float sum = hsum(total);
+        if (nb % 2) {  // an odd last block, in natural order
+            const int64_t b = nb - 1;
+            const __m256i y = _mm256_loadu_si256((const __m256i*)(y0 + i * K + b * QK));
+            const __m256 p = _mm256_cvtepi32_ps(block_dot_u8s8(load_int4_block(wrow + b * (QK / 2)), y));
+            sum += hsum(p) * _cvtsh_ss(drow[b]) * yd0[i * nb + b];
+        }
+        out[(r0 + i) * N + n] = sum + offset_term(w, n, a.s + (r0 + i) * nb, nb);
+    }
+}
+
+// Rows r..r+MT-1 against weight rows [n_begin, n_end).
 template <int MT>
 __attribute__((target("avx2,fma,f16c")))
 void rows_avx2(const Weights& w, const Acts& a, int64_t r, int64_t n_begin, int64_t n_end, int64_t K, float* out,
                int64_t N) {
-    constexpr int NT = MT >= 3 ? 2 : 4;  // few activation rows: more weight rows per tile
-    int64_t n = n_begin;
-    for (; n + NT <= n_end; n += NT) dot_tile_avx2<MT, NT>(w, n, a, r, K, out, N);
-    for (; n < n_end; n++) dot_tile_avx2<MT, 1>(w, n, a, r, K, out, N);
+    // NOTE: the same number of accumulators for every tile height, so a row's sum is taken in
+    // the same order whatever the batch around it (greedy output must not depend on the batch).
+    for (int64_t n = n_begin; n < n_end; n++) {
+        if (w.bits == 4) dot_pairs_int4<MT, 1>(w, n, a, r, K, out, N);
+        else dot_rows_avx2<MT, 2>(w, n, a, r, K, out, N);
+    }
 }
 
 bool force_scalar = false;  // tests run the portable path on any CPU
@@ -261,11 +327,12 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
     }
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+// `paired`: the AVX2 int4 layout (whole pairs of blocks interleaved; an odd last block as is).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, bool paired) {
     const bool avx2 = has_avx2();
 #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
-        if (avx2) quantize_rows_avx2(x + r * K, 1, K, xq + r * K, xd + r * (K / QK), xs + r * (K / QK));
+        if (avx2) quantize_rows_avx2(x + r * K, 1, K, xq + r * K, xd + r * (K / QK), xs + r * (K / QK), paired);
         else quantize_rows_scalar(x + r * K, 1, K, xq + r * K, xd + r * (K / QK), xs + r * (K / QK));
     }
 }
@@ -274,25 +341,13 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, 
 
 extern "C" {
 
-// Quantize activations x [M, K] (K a multiple of 32) into xq [M, K], xd and xs [M, K/32].
-void brisk_quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
-    quantize_rows(x, M, K, xq, xd, xs);
-}
-
-// out [M, N] = quantized activations . W^T. bits 4 or 8; wm may be null.
-void brisk_quant_matmul_prequantized(const int8_t* xq, const float* xd, const float* xs, const uint8_t* wq,
-                                     const uint16_t* wd, const uint16_t* wm, int bits, int64_t M, int64_t N,
-                                     int64_t K, float* out) {
-    const Weights w{wq, wd, wm, bits};
-    const Acts a{xq, xd, xs};
-    matmul(w, a, M, N, K, out);
-}
-
 // out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch buffers first.
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
                         int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out) {
-    quantize_rows(x, M, K, xq, xd, xs);
-    brisk_quant_matmul_prequantized(xq, xd, xs, wq, wd, wm, bits, M, N, K, out);
+    quantize_rows(x, M, K, xq, xd, xs, bits == 4 && has_avx2());
+    const Weights w{wq, wd, wm, bits};
+    const Acts a{xq, xd, xs};
+    matmul(w, a, M, N, K, out);
 }
 
 int brisk_kernels_isa() { return has_avx2() ? 2 : 0; }
