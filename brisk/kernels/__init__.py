@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -117,13 +118,27 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
         return reference_matmul(x, qweight, scales, mins, bits)
     m, k = x.shape
     n = scales.shape[0]
-    xq = torch.empty(m, k, dtype=torch.int8)
-    xd = torch.empty(m, k // QK, dtype=torch.float32)
-    xs = torch.empty(m, k // QK, dtype=torch.float32)
+    xq, xd, xs = _scratch(m, k)
     out = torch.empty(m, n, dtype=torch.float32)
     lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), bits, m, n, k,
-                           xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), out.data_ptr())
+                           xq, xd, xs, out.data_ptr())
     return out
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(m: int, k: int) -> tuple[int, int, int]:
+    """Addresses of this thread's activation buffers for m x k (int8 values, two scales per
+    block), grown as needed and reused: a decode step makes ~100 matmul calls."""
+    have = getattr(_scratch_local, "buffers", None)
+    if have is None or have[0].numel() < m * k:
+        size = max(m * k, 2 * (have[0].numel() if have is not None else 0))
+        have = (torch.empty(size, dtype=torch.int8), torch.empty(size // QK, dtype=torch.float32),
+                torch.empty(size // QK, dtype=torch.float32))
+        _scratch_local.buffers = have
+        _scratch_local.addresses = tuple(t.data_ptr() for t in have)
+    return _scratch_local.addresses
 
 
 # ------------------------------------------------------------------ torch reference (the oracle)

@@ -77,12 +77,15 @@ class QuantLinear(_Blocks):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features).float().contiguous()
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
         out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.bits)
         if self.bias is not None:
             out += self.bias
-        return out.view(*lead, self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class QuantEmbedding(_Blocks):
