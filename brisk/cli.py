@@ -9,7 +9,7 @@ import sys
 import traceback
 
 from brisk import __version__
-from brisk.config import DEFAULT_BLOCK_SIZE
+from brisk.config import DEFAULT_BLOCK_SIZE, QUANTIZATION_CHOICES
 from brisk.errors import BriskError
 
 EXIT_USER_ERROR = 2
@@ -20,7 +20,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory, .gguf file, or catalog name (default: smollm2-135m-instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
-    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_CHOICES,
                    help="weight format: auto (a GGUF keeps its quantized types, e.g. Q4_0 as int4; float "
                         "checkpoints stay float), none (dequantize to --dtype), int8 or int4 (every weight "
                         "matrix quantized in blocks of 32 at load)")

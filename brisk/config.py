@@ -24,6 +24,10 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
+# --quantization: auto (a GGUF keeps its quantized types; float checkpoints stay float), none
+# (everything float), int8 / int4 (every weight matrix quantized in blocks of 32 at load)
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
 _REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from brisk import kernels
-from brisk.config import ModelConfig
+from brisk.config import QUANTIZATION_CHOICES, ModelConfig
 from brisk.errors import BriskError, ModelLoadError
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
 from brisk.loading.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
-from brisk.models.linear import Linear
 from brisk.models import quant
+from brisk.models.linear import Linear
 from brisk.models.llama import LlamaForCausalLM
 from brisk.models.registry import resolve
 from brisk.models.simple_cache import SingleSequenceCache
@@ -215,9 +215,9 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
     """`quantization`: auto (a GGUF keeps its quantized types, a float checkpoint stays float),
     none (everything float), int8 or int4 (every weight matrix quantized in blocks of 32)."""
     report = report or LoadReport()
-    if quantization not in quant.QUANTIZATION_CHOICES:
+    if quantization not in QUANTIZATION_CHOICES:
         raise BriskError(f"--quantization {quantization!r} is not supported; use "
-                         f"{', '.join(quant.QUANTIZATION_CHOICES)}")
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
     with report.phase("resolve"):
         source = resolve(model)
         cache_root = cache_dir()
@@ -229,8 +229,9 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
     if source.kind == "gguf":
         report.format = "gguf"
         model_dir = gguf_convert.converted_dir(cache_root, source.path, quantization)
-        with report.phase("memory_check"):
-            _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype)
+    with report.phase("memory_check"):
+        _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype)
+    if source.kind == "gguf":
         if (model_dir / "config.json").exists():
             report.conversion_cache = "hit"
         else:
@@ -239,8 +240,6 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
                 report.add(name, ms)
     else:
         report.format = "safetensors"
-        with report.phase("memory_check"):
-            _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype)
 
     with report.phase("config"):
         cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))

@@ -54,7 +54,8 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]
     try:
         if cur.take("I") != 0x46554747:
             raise ValueError("not a GGUF file")
-        _version, num_tensors, num_kv = cur.take("I"), cur.take("Q"), cur.take("Q")
+        cur.take("I")  # format version
+        num_tensors, num_kv = cur.take("Q"), cur.take("Q")
         meta = {}
         for _ in range(num_kv):
             key = cur.string()
@@ -65,11 +66,13 @@ def gguf_header(path: Path) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]
             dims = [cur.take("Q") for _ in range(cur.take("I"))]
             kind = cur.take("I")
             cur.take("Q")  # data offset
-            tensors.append((name, gguf.GGMLQuantizationType(kind).name, tuple(reversed(dims))))
+            known = kind in gguf.GGMLQuantizationType._value2member_map_
+            type_name = gguf.GGMLQuantizationType(kind).name if known else f"type {kind}"
+            tensors.append((name, type_name, tuple(reversed(dims))))
     except (struct.error, ValueError) as e:
         from brisk.errors import ModelLoadError
 
-        raise ModelLoadError(f"{path}: cannot read the GGUF header ({e}); the file is truncated or corrupt — "
+        raise ModelLoadError(f"{path}: cannot read GGUF (its header: {e}); the file is truncated or corrupt — "
                              "re-download it") from None
     return meta, tensors
 

@@ -23,7 +23,6 @@ from brisk.errors import BriskError
 from brisk.kernels import QK
 
 QUANT_SUFFIXES = ("qweight", "scales", "mins")
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
