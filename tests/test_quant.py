@@ -175,14 +175,14 @@ SMALL = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, context=128)
 
 
 @pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0"])
-def random_gguf(request, tmp_path_factory, demo_gguf_path):
+def random_gguf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / f"small-{request.param}.gguf"
-    return write_random_gguf(path, SMALL, request.param, demo_gguf_path, tied_embeddings=request.param == "Q8_0")
+    return write_random_gguf(path, SMALL, request.param, None, tied_embeddings=request.param == "Q8_0")
 
 
 @functools.lru_cache(maxsize=2)
 def _reader(path):
-    return gguf.GGUFReader(str(path))  # slow to open (the demo tokenizer's 49k-entry arrays): once per file
+    return gguf.GGUFReader(str(path))  # the demo's is slow to open (49k-entry tokenizer arrays): once
 
 
 def _gguf_float(path, name):
@@ -218,7 +218,7 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
 def test_quantized_model_equals_the_float_model_up_to_activation_rounding(random_gguf, brisk_cache, monkeypatch):
     """With the kernel's int8 activation blocks swapped for float activations, the quantized
     model computes the float32 model's logits; with them, the top token rarely changes."""
-    ids = list(range(5, 45))
+    ids = list(range(5, 45))  # within the 128-token vocabulary
     float_model = load(str(random_gguf), quantization="none")
     assert not float_model.report.weight_formats
     quantized = load(str(random_gguf))

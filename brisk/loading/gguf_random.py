@@ -53,16 +53,26 @@ def _copy_tokenizer(writer, source_gguf: Path) -> int:
     return vocab
 
 
-def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path, seed: int = 0,
-                      tied_embeddings: bool = False) -> Path:
+def _small_tokenizer(writer, vocab: int) -> int:
+    """A `vocab`-token tokenizer with no merges: quick to read, for tests that need no real text."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges([])
+    return vocab
+
+
+def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
+                      tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
     """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
-    Q8_0, F32; what `gguf.quants.quantize` writes), norms in F32."""
+    Q8_0, F32; what `gguf.quants.quantize` writes), norms in F32. The tokenizer is copied from
+    `tokenizer_from`, or (None) a `small_vocab`-token one."""
     import gguf
     from gguf.quants import quantize
 
     qtype = gguf.GGMLQuantizationType[tensor_type]
     writer = gguf.GGUFWriter(str(path), "llama")
-    vocab = _copy_tokenizer(writer, tokenizer_from)
+    vocab = _copy_tokenizer(writer, tokenizer_from) if tokenizer_from else _small_tokenizer(writer, small_vocab)
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
