@@ -39,11 +39,15 @@ def test_random_blocks_match_reference(name):
     np.testing.assert_array_equal(DEQUANTIZERS[name](raw), expected)
 
 
-def test_demo_model_tensors_match_reference(demo_gguf_path):
+@pytest.fixture(scope="module")
+def demo_reader(demo_gguf_path):
+    return gguf.GGUFReader(str(demo_gguf_path))  # slow to open (49k-entry tokenizer arrays): once
+
+
+def test_demo_model_tensors_match_reference(demo_reader):
     """Real tensors: every Q4_1, Q8_0 and F32 tensor of the demo GGUF, bit for bit."""
-    reader = gguf.GGUFReader(str(demo_gguf_path))
     seen = set()
-    for tensor in reader.tensors:
+    for tensor in demo_reader.tensors:
         name = tensor.tensor_type.name
         seen.add(name)
         expected = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
@@ -52,10 +56,9 @@ def test_demo_model_tensors_match_reference(demo_gguf_path):
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16"])
-def test_requantized_real_weights_match_reference(name, demo_gguf_path):
+def test_requantized_real_weights_match_reference(name, demo_reader):
     """Real weight values quantized by gguf's own quantizer, then dequantized by both."""
-    reader = gguf.GGUFReader(str(demo_gguf_path))
-    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    tensor = next(t for t in demo_reader.tensors if t.name == "blk.0.attn_q.weight")
     weights = dequantize(tensor.data, tensor.tensor_type)
     packed = quantize(weights, QT[name])
     np.testing.assert_array_equal(
