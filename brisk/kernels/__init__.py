@@ -3,8 +3,8 @@
 `quant_matmul.cpp` (weight-only int4/int8 matmuls, see its header) is a plain C library.
 `make` builds it next to this file (`python -m brisk.kernels`); an install without that step
 builds it on first use into `$BRISK_CACHE/kernels/` when a C++ compiler is present. Without
-either, `library()` is None and `brisk.models.quant` runs the torch reference instead, and the
-load report says so. The torch reference here is also the oracle the tests hold the kernel to.
+either, `library()` is None and `brisk.models.quant` runs the torch reference instead (a logged
+warning says why). The torch reference here is also the oracle the tests hold the kernel to.
 """
 
 from __future__ import annotations
