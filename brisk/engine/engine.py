@@ -89,6 +89,9 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
         if len(ids) + params.max_tokens > max_len:
             raise RequestError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "

@@ -102,5 +102,6 @@ def _filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:
         cumulative = sorted_probs.cumsum(0)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = (cumulative - sorted_probs) >= p.top_p * cumulative[-1]
+        drop[0] = False  # a top_p that underflows float32 (1e-300) would otherwise drop every token
         probs = probs.scatter(0, order[drop], 0.0)
     return probs
