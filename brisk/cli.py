@@ -87,9 +87,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM (default 30)")
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
-                                                      "(or set BRISK_API_KEY)")
+    srv.add_argument("--api-key", default=None,
+                     help="require `Authorization: Bearer KEY` on every route but /health and /ready; prefer "
+                          "the environment variable BRISK_API_KEY (a flag is visible to every user in `ps`)")
+    srv.add_argument("--metrics-public", action="store_true",
+                     help="serve /metrics without the API key (for a Prometheus scraper that has none)")
     srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (default 16 MiB)")
+    srv.add_argument("--max-prompt-chars", type=int, default=1_000_000,
+                     help="characters of text one request may send to the tokenizer (default 1,000,000); more: 413")
+    srv.add_argument("--max-token-ids", type=int, default=262_144,
+                     help="token ids one request may send (/detokenize, token-id prompts; default 262,144); "
+                          "more: 413")
+    srv.add_argument("--tokenizer-threads", type=int, default=2,
+                     help="requests tokenized at once, off the event loop (default 2); the others wait")
+    srv.add_argument("--header-timeout", type=float, default=15.0,
+                     help="seconds a connection has to send a complete request head (default 15)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request body has to arrive once its head has (default 30)")
+    srv.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                     help="seconds an idle keep-alive connection stays open (default 5)")
+    srv.add_argument("--max-connections", type=int, default=1000,
+                     help="open connections at most; a new one past it gets 503 and is closed (default 1000)")
     srv.add_argument("--seed", type=int, default=None, help="seed of the sampler for unseeded requests")
     srv.add_argument("--allow-priority", action="store_true",
                      help="honour the request field `priority` (lower first); off by default, since any "

@@ -10,6 +10,7 @@ import httpx
 import uvicorn
 
 from brisk.server.app import create_app
+from brisk.server.connections import uvicorn_config
 from brisk.server.state import ServerConfig, ServerState
 
 
@@ -17,8 +18,8 @@ class LiveServer:
     def __init__(self, state: ServerState):
         self.state = state
         self.app = create_app(state)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn_config(self.app, state.config, "127.0.0.1", 0, log_level="warning",
+                                timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)

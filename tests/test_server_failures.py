@@ -220,7 +220,7 @@ BAD = [
     ("top_logprobs too many", {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ("n zero", {"messages": CHAT, "n": 0}, 400, "n"),
     ("stop not a string", {"messages": CHAT, "stop": 3}, 400, "stop"),
-    ("empty stop string", {"messages": CHAT, "stop": [""]}, 400, "stop"),
+    ("empty stop string", {"messages": CHAT, "stop": [""]}, 400, "stop[0]"),
     ("unknown model", {"messages": CHAT, "model": "gpt-9"}, 404, "model"),
 ]
 

@@ -22,11 +22,12 @@ from brisk.engine.errors import EngineDeadError
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import ParamError, SamplingParams
 from brisk.metrics.prometheus import CONTENT_TYPE
-from brisk.server.context_guard import ContextLengthError, GuardResult, guard_chat, guard_prompt
+from brisk.server.context_guard import ContextLengthError, GuardResult, combined_headers, guard_chat, guard_prompt
 from brisk.server.errors import APIError, install_handlers
 from brisk.server.middleware import GuardMiddleware
-from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
-                                   TokenizeRequest, message_dicts)
+from brisk.server.openapi import install_openapi
+from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                   message_dicts)
 from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter, usage_block
 from brisk.server.state import RequestTimeoutError, ServerState, ShutdownError
 from brisk.tokenizer import ChatTemplateError
@@ -56,6 +57,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="brisk", version=_version(), lifespan=lifespan)
     app.state.brisk = state
     install_handlers(app)
+    install_openapi(app, state)
     app.add_middleware(GuardMiddleware, state=state)
 
     @app.get("/health")
@@ -102,32 +104,37 @@ def create_app(state: ServerState) -> FastAPI:
         state.require_engine()
         _check_model(state, body.model)
         tok = state.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = _encode_chat(tok, _messages(body.messages), body.add_generation_prompt)
+            messages = message_dicts(body.messages)
+            _check_chars(state, _chat_chars(messages), "messages")
+            ids = await state.run_tokenizer(_encode_chat, tok, messages, body.add_generation_prompt)
         else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+            _check_chars(state, len(body.prompt), "prompt")
+            ids = await state.run_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
+        # a JSONResponse skips FastAPI's per-element encoder (slow on the event loop for long lists)
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         state.require_engine()
         _check_model(state, body.model)
-        vocab = state.engine.engine.loaded.config.vocab_size
-        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens[{bad}]: token id {body.tokens[bad]} is outside the vocabulary [0, {vocab})",
-                           param=f"tokens[{bad}]")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        _check_token_ids(state, len(body.tokens), "tokens")
+        text = await state.run_tokenizer(_decode_checked, state, body.tokens)
+        if len(text) > state.config.max_prompt_chars:
+            raise APIError(413, f"tokens: decode to {len(text)} characters, over the server's limit of "
+                                f"{state.config.max_prompt_chars} (--max-prompt-chars); send fewer tokens per call",
+                           param="tokens", code="output_too_large")
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         state.require_engine()
         _check_model(state, body.model)
-        messages = _messages(body.messages)
+        state.check_capacity(body.n)
+        messages = message_dicts(body.messages)
+        _check_chars(state, _chat_chars(messages), "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        guard = _guard(state, lambda: guard_chat(
+        guard = await _guard(state, lambda: guard_chat(
             messages, lambda m: _encode_chat(state.tokenizer, m), max_tokens, state.max_model_len,
             state.config.context_policy))
         num_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -139,9 +146,12 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request):
         state.require_engine()
         _check_model(state, body.model)
-        prompts = _prompt_ids(state, body.prompt)
-        guards = [_guard(state, lambda ids=ids: guard_prompt(ids, body.max_tokens, state.max_model_len,
-                                                              state.config.context_policy)) for ids in prompts]
+        num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
+        state.check_capacity(num_prompts * body.n)
+        prompts = await _prompt_ids(state, body.prompt)
+        guards = [await _guard(state, lambda ids=ids: guard_prompt(ids, body.max_tokens, state.max_model_len,
+                                                                    state.config.context_policy))
+                  for ids in prompts]
         params = [_sampling_params(body, g.max_tokens, body.logprobs) for g in guards]
         fmt = CompletionFormatter(_new_id("cmpl"), state, body.logprobs is not None, body.echo)
         return await _respond(state, raw, body, fmt, guards, params)
@@ -150,11 +160,33 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # -- request preparation -----------------------------------------------------------
-def _messages(messages) -> list[dict[str, Any]]:
-    try:
-        return message_dicts(messages)
-    except ProtocolError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+def _chat_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+
+
+def _check_chars(state: ServerState, chars: int, param: str) -> None:
+    """Bound the tokenizer's work per request (it runs off the event loop, but still costs CPU)."""
+    limit = state.config.max_prompt_chars
+    if chars > limit:
+        raise APIError(413, f"{param}: {chars} characters, over the server's limit of {limit} per request "
+                            f"(--max-prompt-chars); send less text", param=param, code="prompt_too_large")
+
+
+def _check_token_ids(state: ServerState, count: int, param: str) -> None:
+    limit = state.config.max_token_ids
+    if count > limit:
+        raise APIError(413, f"{param}: {count} token ids, over the server's limit of {limit} per request "
+                            f"(--max-token-ids); send fewer", param=param, code="prompt_too_large")
+
+
+def _decode_checked(state: ServerState, ids: list[int]) -> str:
+    """/detokenize's work (in a worker thread): ids inside the vocabulary, then the text."""
+    vocab = state.engine.engine.loaded.config.vocab_size
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"tokens[{bad}]: token id {ids[bad]} is outside the vocabulary [0, {vocab})",
+                       param=f"tokens[{bad}]", code="invalid_value")
+    return state.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
@@ -166,28 +198,23 @@ def _encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: boo
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.config.served_model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+        shown = model if len(model) <= 100 else model[:100] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist; this server serves "
                             f"`{state.config.served_model_name}` (GET /v1/models)",
                        param="model", code="model_not_found")
 
 
-def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
-    """OpenAI's four prompt shapes -> a list of token-id prompts."""
+async def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+    """OpenAI's four prompt shapes -> a list of token-id prompts (the schema has checked the shapes)."""
     tok = state.tokenizer
-    if isinstance(prompt, str):
-        return [tok.encode(prompt)]
-    if not prompt:
-        raise APIError(400, "prompt: is empty; give text or token ids", param="prompt", code="invalid_value")
-    if isinstance(prompt[0], str):
-        return [tok.encode(p) for p in prompt]
-    if isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = prompt
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        _check_chars(state, sum(len(t) for t in texts), "prompt")
+        return await state.run_tokenizer(lambda: [tok.encode(t) for t in texts])
+    prompts = [prompt] if isinstance(prompt[0], int) else prompt
+    _check_token_ids(state, sum(len(p) for p in prompts), "prompt")
     vocab = state.engine.engine.loaded.config.vocab_size
     for i, ids in enumerate(prompts):
-        if not ids:
-            raise APIError(400, f"prompt[{i}]: is empty", param="prompt", code="invalid_value")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
@@ -195,14 +222,14 @@ def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
     return [list(p) for p in prompts]
 
 
-def _guard(state: ServerState, run: Callable[[], GuardResult]) -> GuardResult:
+async def _guard(state: ServerState, run: Callable[[], GuardResult]) -> GuardResult:
+    """Count and fit the prompt off the event loop. The outcome is counted once the request is
+    admitted (a request refused for capacity is no context-guard "ok")."""
     try:
-        result = run()
+        return await state.run_tokenizer(run)
     except ContextLengthError as e:
         state.metrics.context_guard.labels("rejected").inc()
         raise APIError(400, str(e), param=e.param, code=e.code) from None
-    state.metrics.context_guard.labels(result.outcome).inc()
-    return result
 
 
 def _sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -238,7 +265,9 @@ async def _respond(state: ServerState, raw: Request, body, fmt: Formatter, guard
             jobs.append((p_index * body.n + i, p_index, guard.prompt_ids,
                          base if seed == base.seed else _replace_seed(base, seed)))
     state.admit(len(jobs))
-    headers = {k: v for g in guards[:1] for k, v in g.headers().items()}
+    for g in guards:
+        state.metrics.context_guard.labels(g.outcome).inc()
+    headers = combined_headers(guards)
     run = _Run(state, engine, fmt, guards, jobs, body, raw)
     try:
         await run.start()
@@ -252,6 +281,8 @@ async def _respond(state: ServerState, raw: Request, body, fmt: Formatter, guard
     try:
         result = await _until_disconnect(raw, run.collect())
     except ClientDisconnected:
+        log.info("client disconnected before the response of %s; its %d engine request(s) were aborted",
+                 fmt.id, len(jobs) - len(run.finals))
         return Response(status_code=499)  # nobody is listening; the engine requests are aborted
     finally:
         run.close()
@@ -368,6 +399,8 @@ class _Run:
         try:
             async for index, out in self.outputs():
                 pass
+        except asyncio.CancelledError:  # the client left (see _until_disconnect): not an error
+            raise
         except BaseException as e:
             raise _as_api_error(e, self) from None
         return self.fmt.full_response(self.finals, self.jobs, self.guards, self._usage())

@@ -72,6 +72,18 @@ class GuardResult:
         return out
 
 
+def combined_headers(guards: list[GuardResult]) -> dict[str, str]:
+    """The `x-brisk-*` headers of a request: one prompt's as they are; for several prompts
+    (multi-prompt completions) each header lists every prompt's value, in prompt order,
+    comma-separated ("-" where a prompt has none), so no prompt's outcome goes unreported."""
+    if len(guards) == 1:
+        return guards[0].headers()
+    per_prompt = [g.headers() for g in guards]
+    names = [k for k in per_prompt[0]] + [k for h in per_prompt[1:] for k in h if k not in per_prompt[0]]
+    names = list(dict.fromkeys(names))
+    return {name: ",".join(h.get(name, "-") for h in per_prompt) for name in names}
+
+
 def _fits(num_prompt: int, max_tokens: int | None, max_model_len: int) -> bool:
     return num_prompt + (max_tokens or 1) <= max_model_len
 

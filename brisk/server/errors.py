@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,7 +38,14 @@ class APIError(Exception):
         return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
 
+def printable(text: str) -> str:
+    """Text that always encodes as UTF-8: an error message may quote the client's input, and a
+    lone surrogate in it must not turn a 400 into a 500 while the response is written."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    message, param = printable(message), None if param is None else printable(param)
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else
                                                               "invalid_request_error"),
                       "param": param, "code": code}}
@@ -52,16 +60,61 @@ def _loc_to_param(loc: tuple) -> str | None:
 
 
 def _is_union_tag(part) -> bool:
-    """pydantic names the union member an error came from ('str', 'list[int]', 'TextPart')."""
+    """pydantic names the union member an error came from ('str', 'list[int]', 'TextPart',
+    'function-after[_valid_unicode(), str]')."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part
-                                      or part[:1].isupper())
+                                      or part[:1].isupper() or part.startswith("constrained-"))
+
+
+def _readable(tag: str) -> str:
+    """'function-after[_valid_unicode(), constrained-str]' -> 'str'; 'list[constrained-int]' -> 'list[int]'."""
+    return re.sub(r"function-after\[\w+\(\), ([^\]]+)\]", r"\1", tag).replace("constrained-", "")
+
+
+def _tag_at(loc: tuple) -> int:
+    return next((i for i, p in enumerate(loc) if _is_union_tag(p)), len(loc))
 
 
 def _common_loc(errors: list[dict]) -> tuple:
     """The field all of a union's branch errors point at (the first error's field)."""
     first = tuple(errors[0].get("loc", ()))
-    tag_at = next((i for i, p in enumerate(first) if _is_union_tag(p)), len(first))
-    return first[:tag_at]
+    return first[:_tag_at(first)]
+
+
+def _branch_error(errors: list[dict], loc: tuple, got) -> dict | None:
+    """Of a union's branch errors, the one of the branch the input's type chose (a string for
+    the string branch, a list for a list branch), the deepest such: `prompt[0][0]: Input should
+    be a valid integer` says more than "none of four shapes matched"."""
+    kind = "list" if isinstance(got, list) else "dict" if isinstance(got, dict) else "scalar"
+    fitting = []
+    for e in errors:
+        e_loc = tuple(e.get("loc", ()))
+        if len(e_loc) <= len(loc):
+            continue
+        tag = _readable(str(e_loc[len(loc)]))
+        branch = "list" if tag.startswith("list[") else "dict" if tag[:1].isupper() else "scalar"
+        if branch == kind and e.get("type") not in ("list_type", "string_type", "model_type", "dict_type"):
+            fitting.append(e)
+    if not fitting:
+        return None
+    return max(fitting, key=lambda e: len(e["loc"]))
+
+
+def _shown(got) -> str:
+    return (repr(got) if not isinstance(got, (dict, list)) else type(got).__name__)[:80]
+
+
+def _field_message(error: dict, param: str | None) -> tuple[str | None, str]:
+    got = error.get("input")
+    if error.get("type") == "missing":
+        return param, f"{param}: is required"
+    if error.get("type") == "value_error":  # a validator's own message, which may name a sub-field
+        text = str(error.get("ctx", {}).get("error", error.get("msg", "invalid value")))
+        sub, sep, rest = text.partition(": ")
+        if sep and sub.isidentifier():
+            param, text = (f"{param}.{sub}" if param else sub), rest
+        return param, (f"{param}: {text}" if param else text)
+    return param, f"{param}: {error.get('msg', 'invalid value')} (got {_shown(got)})"
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -74,17 +127,19 @@ def validation_error(exc: RequestValidationError) -> APIError:
     loc = _common_loc(errors) if errors else ()
     param = _loc_to_param(loc)
     same_field = [e for e in errors if tuple(e.get("loc", ()))[:len(loc)] == loc]
-    got = first.get("input")
-    shown = (repr(got) if not isinstance(got, (dict, list)) else type(got).__name__)[:80]
-    if first.get("type") == "missing":
-        message = f"{param}: is required"
-    elif first.get("type") == "model_attributes_type" and param is None:
+    if first.get("type") == "model_attributes_type" and param is None:
         message = "the request body must be a JSON object"
     elif len(same_field) > 1 and len(loc) < len(tuple(first.get("loc", ()))):  # a union: no branch matched
-        branches = sorted({str(e["loc"][len(loc)]) for e in same_field if len(e["loc"]) > len(loc)})
-        message = f"{param}: invalid value (got {shown}); expected one of: {', '.join(branches)}"
+        got = first.get("input")
+        chosen = _branch_error(same_field, loc, got)
+        if chosen is not None:
+            rest = tuple(p for p in chosen["loc"][len(loc) + 1:] if not _is_union_tag(p))
+            param, message = _field_message(chosen, _loc_to_param(loc + rest))
+        else:
+            branches = sorted({_readable(str(e["loc"][len(loc)])) for e in same_field if len(e["loc"]) > len(loc)})
+            message = f"{param}: invalid value (got {_shown(got)}); expected one of: {', '.join(branches)}"
     else:
-        message = f"{param}: {first.get('msg', 'invalid value')} (got {shown})"
+        param, message = _field_message(first, param)
     others = len(errors) - len(same_field)
     more = f" (and {others} more problem{'s' if others > 1 else ''})" if others > 0 else ""
     return APIError(400, message + more, param=param, code="invalid_value")

@@ -1,10 +1,13 @@
-"""One pure-ASGI middleware for what every request passes through: the API key on /v1/*,
-the request-body size limit, and the HTTP-status counter."""
+"""One pure-ASGI middleware for what every request passes through: the API key (one rule
+for every route but /health and /ready, and /metrics with --metrics-public), the
+request-body size and read-time limits, and the HTTP-status counter."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import time
 
 from starlette.exceptions import HTTPException
 
@@ -12,6 +15,15 @@ from brisk.server.errors import error_body
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
            "/ready", "/metrics"}
+PUBLIC_PATHS = frozenset({"/health", "/ready"})  # probes: a load balancer has no key
+
+
+def key_matches(authorization: bytes, key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared as bytes in constant time (a key is UTF-8;
+    a header is bytes, so a non-ASCII key matches when the client sends it as UTF-8)."""
+    if authorization[:7].lower() != b"bearer ":
+        return False
+    return hmac.compare_digest(authorization[7:].strip(), key.encode("utf-8"))
 
 
 class GuardMiddleware:
@@ -40,14 +52,18 @@ class GuardMiddleware:
         finally:
             self.state.metrics.http_responses.labels(route, str(status_holder["status"])).inc()
 
+    def _needs_key(self, path: str) -> bool:
+        config = self.state.config
+        if not config.api_key or path in PUBLIC_PATHS:
+            return False
+        return not (path == "/metrics" and config.metrics_public)
+
     def _reject(self, scope, path: str):
         headers = dict(scope.get("headers") or [])
-        key = self.state.config.api_key
-        if key and path.startswith("/v1/"):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
-                message = ("missing API key: send the header `Authorization: Bearer <key>`" if not token
+        if self._needs_key(path):
+            auth = headers.get(b"authorization", b"")
+            if not key_matches(auth, self.state.config.api_key):
+                message = ("missing API key: send the header `Authorization: Bearer <key>`" if not auth
                            else "incorrect API key provided")
                 return 401, error_body(401, message, code="invalid_api_key"), {"www-authenticate": "Bearer"}
         length = headers.get(b"content-length")
@@ -58,15 +74,27 @@ class GuardMiddleware:
 
     def _limited(self, receive):
         limit = self.state.config.max_request_bytes
+        timeout = self.state.config.body_timeout_s
+        deadline = time.monotonic() + timeout
         received = 0
+        body_done = False
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body: only a disconnect can come, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:  # a slow client (slowloris) holding a connection and a task
+                raise HTTPException(408, f"the request body did not arrive within {timeout:g} s "
+                                         f"(--body-timeout); send it at once") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:  # a chunked body with no (or a false) content-length
                     raise HTTPException(413, _too_large(received, limit))
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         return limited_receive

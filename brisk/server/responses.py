@@ -149,6 +149,13 @@ class CompletionFormatter(Formatter):
     def _echo_text(self, out: RequestOutput) -> str:
         return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) if self.echo else ""
 
+    def first_chunks(self, jobs, guards):
+        """One empty chunk per choice carrying its prompt's context-guard report (as chat's first
+        chunk does), so a clamped prompt of a multi-prompt stream is reported, not silent."""
+        return [self._envelope(self.object_chunk, [{"index": index, "text": "", "logprobs": None,
+                                                    "finish_reason": None}], brisk=guards[p_index].report())
+                for index, p_index, *_ in jobs]
+
     def chunks(self, index, out, body):
         first = len(out.token_ids) == len(out.delta_token_ids)
         text = (self._echo_text(out) if first else "") + out.delta_text

@@ -13,6 +13,7 @@ import uvicorn
 from brisk.errors import BriskError
 from brisk.loading.report import LoadReport
 from brisk.server.app import create_app
+from brisk.server.connections import uvicorn_config
 from brisk.server.context_guard import ContextPolicy
 from brisk.server.state import ServerConfig, ServerState
 
@@ -60,9 +61,22 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
             max_request_bytes=args.max_request_bytes,
             request_log=args.request_log,
             allow_priority=args.allow_priority,
+            max_prompt_chars=args.max_prompt_chars,
+            max_token_ids=args.max_token_ids,
+            tokenizer_threads=args.tokenizer_threads,
+            metrics_public=args.metrics_public,
+            body_timeout_s=args.body_timeout,
+            header_timeout_s=args.header_timeout,
+            keep_alive_s=args.timeout_keep_alive,
+            max_connections=args.max_connections,
         )
     except ValueError as e:
         raise BriskError(str(e)) from None
+
+
+def warn_about_key_flag(args: argparse.Namespace) -> None:
+    if args.api_key:
+        log.warning("--api-key is visible to every user of this machine (`ps`); set BRISK_API_KEY instead")
 
 
 def serve(args: argparse.Namespace, build_engine) -> int:
@@ -72,6 +86,7 @@ def serve(args: argparse.Namespace, build_engine) -> int:
     source = resolve(args.model)  # a bad model path fails now, in one line, before the socket opens
     served = source.name if source.name in CATALOG else source.path.stem
     config = server_config(args, served)
+    warn_about_key_flag(args)
 
     def factory(report: LoadReport):
         with report.phase("imports"):
@@ -96,8 +111,8 @@ def serve(args: argparse.Namespace, build_engine) -> int:
     except ValueError as e:
         raise BriskError(str(e)) from None
     app = create_app(state)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                               timeout_graceful_shutdown=config.shutdown_timeout_s + 5, lifespan="on")
+    uv_config = uvicorn_config(app, config, args.host, args.port, log_level="warning",
+                               timeout_graceful_shutdown=config.shutdown_timeout_s + 5)
     server = BriskServer(uv_config, state)
     state.on_load_failed = server.fail
     log.info("listening on http://%s:%d (model loading; GET /ready)", args.host, args.port)

@@ -1,0 +1,106 @@
+"""The OpenAPI document, made to describe the server as it behaves:
+
+- errors are 400 (not FastAPI's 422) with OpenAI's error body, and every status a route
+  can send is listed (401 with an API key, 404 for an unknown model, 408/413 from the
+  body limits, 429 when the queue is full, 503 while loading or draining, 504 on timeout);
+- `/metrics` is Prometheus text, and the generation routes stream `text/event-stream`;
+- limits only known once the model is loaded (vocabulary size, context window, capacity)
+  are written into the request schemas, so a request the schema calls valid is one the
+  server can accept; until then the document is rebuilt on every call, not cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from brisk.metrics.prometheus import CONTENT_TYPE
+from brisk.server.context_guard import ContextPolicy
+from brisk.server.middleware import PUBLIC_PATHS
+from brisk.server.protocol import CHOICES_MARK, MAX_TOKENS_MARK, TOKEN_ID_MARK, ErrorResponse
+
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+_STATUS_BODY = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
+_REASONS = {400: "Invalid request (the message names the field)", 401: "Missing or wrong API key",
+            404: "Unknown model", 408: "The request body did not arrive in time (--body-timeout)",
+            413: "Request body or prompt over the server's limits", 429: "Queue full; retry after Retry-After",
+            503: "Model loading, engine stopped, or server draining", 504: "Ran past --request-timeout"}
+_BODY_ROUTES = {"/tokenize": (400, 404, 408, 413, 503),
+                "/detokenize": (400, 404, 408, 413, 503),
+                "/v1/chat/completions": (400, 404, 408, 413, 429, 503, 504),
+                "/v1/completions": (400, 404, 408, 413, 429, 503, 504)}
+_STREAMING = ("/v1/chat/completions", "/v1/completions")
+# One server-sent event: `data` is a JSON chunk, an error object, or the final "[DONE]".
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+              "required": ["data"]}
+
+
+def install_openapi(app: FastAPI, state) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = build(app, state)
+        if state.engine is not None:  # the limits are known: the document no longer changes
+            app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
+
+
+def build(app: FastAPI, state) -> dict[str, Any]:
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="OpenAI-compatible API of a brisk server")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    schemas.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}").pop("$defs", {}))
+    schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas["ErrorResponse"].pop("$defs", None)
+    key = state.config.api_key is not None
+    if key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, methods in doc["paths"].items():
+        for op in methods.values():
+            responses = op["responses"]
+            responses.pop("422", None)
+            for status in _BODY_ROUTES.get(path, ()):
+                responses[str(status)] = _error_response(status)
+            if path in ("/health", "/ready"):
+                for status in ("200", "503"):
+                    responses[status] = {"description": "status" if status == "200" else _REASONS[503],
+                                         "content": {"application/json": {"schema": _STATUS_BODY}}}
+            if path == "/metrics":
+                responses["200"] = {"description": "Prometheus text exposition",
+                                    "content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}
+            if path in _STREAMING:
+                responses["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
+            if key and path not in PUBLIC_PATHS and not (path == "/metrics" and state.config.metrics_public):
+                op["security"] = [{"bearer": []}]
+                responses["401"] = _error_response(401)
+    _fill_limits(doc, state)
+    return doc
+
+
+def _error_response(status: int) -> dict[str, Any]:
+    return {"description": _REASONS[status], "content": {"application/json": {"schema": _ERROR_REF}}}
+
+
+def _fill_limits(node: Any, state) -> None:
+    """Replace the protocol's markers by the loaded model's limits (or just drop them)."""
+    if isinstance(node, list):
+        for item in node:
+            _fill_limits(item, state)
+        return
+    if not isinstance(node, dict):
+        return
+    ready = state.engine is not None
+    if node.pop(TOKEN_ID_MARK, False) and ready:
+        node["maximum"] = state.engine.engine.loaded.config.vocab_size - 1
+    if node.pop(MAX_TOKENS_MARK, False) and ready and state.config.context_policy is not ContextPolicy.CLAMP_MAX_TOKENS:
+        node["maximum"] = state.max_model_len - 1  # a prompt has at least one token
+    if node.pop(CHOICES_MARK, False) and ready:
+        node["maximum"] = min(node.get("maximum", state.capacity), state.capacity)
+    for value in node.values():
+        _fill_limits(value, state)
