@@ -100,3 +100,36 @@ def test_mapped_weights_give_their_pages_back_and_stay_readable(tmp_path):
     assert before - _rss_bytes() > 0.9 * view.numel() * 4
     assert torch.equal(view, weight)  # read again from the file
     assert not mapped.release(torch.randn(1024))  # not in the map: refused, never zeroed
+
+
+def test_onednn_sees_only_bucketed_row_counts(monkeypatch):
+    """Issue 18 #5: oneDNN builds one kernel per distinct row count (RSS grew with traffic); rows
+    are padded to a bounded set of buckets, and the padding never changes the result."""
+    from brisk.models import linear as L
+
+    if not L.ONEDNN_ENABLED:
+        pytest.skip("no oneDNN in this torch build")
+    seen = []
+    real = L._onednn_linear
+
+    def recording(x, *args):
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(L, "_onednn_linear", recording)
+    torch.manual_seed(0)
+    layer = L.Linear(64, 48)
+    layer.prepare()
+    x = torch.randn(700, 64)
+    counts = list(range(1, 100)) + [130, 200, 300, 513, 699]
+    for rows in counts:
+        out = layer(x[:rows])
+        assert out.shape == (rows, 48)
+        if rows in (1, 9, 63, 65, 300, 513, 699):
+            torch.testing.assert_close(out, torch.nn.functional.linear(x[:rows], layer.weight, layer.bias),
+                                       rtol=1e-4, atol=1e-4)
+    assert set(seen) == {L.row_bucket(r) for r in counts}
+    assert len({L.row_bucket(r) for r in range(1, 513)}) <= 50  # 512 row counts, a bounded number of kernels
+    three_d = layer(x[:30].reshape(3, 10, 64))  # [batch, seq, features] keeps its shape
+    assert three_d.shape == (3, 10, 48)
+    assert all(L.row_bucket(r) >= r and L.row_bucket(r) - r <= max(3, r // 4) for r in range(1, 5000))

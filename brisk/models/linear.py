@@ -9,6 +9,12 @@ hundreds of rows. So float32 CPU linears (and bfloat16 ones on CPUs with native 
 packed oneDNN weights; everything else (CUDA, other dtypes, a torch build without oneDNN)
 uses `F.linear`.
 `BRISK_MATMUL=torch` turns the oneDNN path off (for comparisons).
+
+oneDNN compiles one kernel ("primitive") per distinct row count and caches up to 1,024 of them;
+serving sees every row count from 1 to the step's token budget, and RSS grew with traffic (1,716 ->
+2,101 MB over 1,500 short requests). So row counts are padded up to a small set of buckets
+(`row_bucket`): 49 kernels per weight shape up to 512 rows, whatever the traffic, for a few
+percent of padded rows on average (`benchmarks/row_buckets.py`, figures in RESULTS.md).
 """
 
 from __future__ import annotations
@@ -42,6 +48,33 @@ ONEDNN_ENABLED = _onednn_enabled()
 _PACKABLE = _packable_dtypes() if ONEDNN_ENABLED else ()
 
 
+def _onednn_linear(*args):
+    return torch.ops.mkldnn._linear_pointwise(*args)
+
+
+def row_bucket(rows: int) -> int:
+    """Rows padded to: exact up to 8, then multiples of 4 to 64, of 16 to 512, of 64 beyond: 49
+    kernels per weight shape up to 512 rows, and at most 3 rows in 12 (9 -> 12) of padding."""
+    if rows <= 8:
+        return rows
+    step = 4 if rows <= 64 else 16 if rows <= 512 else 64
+    return -(-rows // step) * step
+
+
+def _padded_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    bucket = row_bucket(rows)
+    if bucket != rows:
+        padded = flat.new_zeros((bucket, flat.shape[1]))
+        padded[:rows] = flat
+        flat = padded
+    out = _onednn_linear(flat.contiguous(), packed, bias, "none", [], "")
+    if bucket != rows:
+        out = out[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class Linear(nn.Linear):
     """`nn.Linear` whose CPU matmul runs on weights packed once for oneDNN.
 
@@ -73,5 +106,5 @@ class Linear(nn.Linear):
         if self._packed is None and self._packable(x):
             self._pack()
         if self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+            return _padded_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
