@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
@@ -36,6 +37,8 @@ from brisk.kernels import QK
 from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4
+
+log = logging.getLogger("brisk.loading")
 
 CONVERT_VERSION = 2
 BRISK_LAYOUT = "brisk-fused-v1"
@@ -356,6 +359,8 @@ def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(out_dir.parent)  # left by a conversion that was killed (even by SIGKILL)
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
     source = str(gguf_path)
@@ -365,9 +370,9 @@ def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[
     plan = _plan(tensors, config["num_hidden_layers"])
     timings["gguf_read"] = (time.perf_counter() - t0) * 1e3
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TEMP_MARK}", dir=out_dir.parent))
     os.chmod(tmp, 0o755)
+    lock = _hold_lock(tmp)  # held until this process ends: the folder is alive while it is held
     try:
         t1 = time.perf_counter()
         _write_safetensors(tmp / "model.safetensors", plan, {"format": "pt", "brisk_layout": BRISK_LAYOUT})
@@ -382,6 +387,7 @@ def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[
              "quantization": quantization}, indent=2))
         try:
             os.rename(tmp, out_dir)
+            (out_dir / LOCK_NAME).unlink(missing_ok=True)
         except OSError:
             if not (out_dir / "config.json").exists():  # not a concurrent winner: a real failure
                 raise
@@ -389,5 +395,55 @@ def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
     return timings
+
+
+TEMP_MARK = ".tmp-"
+LOCK_NAME = ".converting.lock"
+_LOCKLESS_GRACE_S = 60.0  # a folder made by mkdtemp a moment ago may not hold its lock yet
+
+
+def _hold_lock(folder: Path) -> int:
+    import fcntl
+
+    fd = os.open(folder / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def remove_stale_temp_dirs(parent: Path) -> list[Path]:
+    """Remove conversion temp folders whose converting process is gone (killed mid-write, even
+    by SIGKILL: the kernel drops its lock). A folder whose lock is held is a conversion still
+    running, in this or another process, and is left alone. Returns what was removed."""
+    import fcntl
+    import time
+
+    removed = []
+    for folder in parent.glob(f".*{TEMP_MARK}*"):
+        if not folder.is_dir():
+            continue
+        lock_path = folder / LOCK_NAME
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:  # no lock: stale once past the moment between mkdtemp and locking
+            if time.time() - folder.stat().st_mtime < _LOCKLESS_GRACE_S:
+                continue
+            fd = None
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live conversion
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            log.info("removed %s, left by a conversion that did not finish", folder)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
 
