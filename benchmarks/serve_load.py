@@ -34,14 +34,15 @@ def workload(n: int, max_tokens: int, offset: int = 0) -> list[BenchRequest]:
             for i in range(n)]
 
 
-def start_brisk(extra: list[str]) -> tuple[subprocess.Popen, str, float]:
+def start_brisk(extra: list[str], log_path: str | None = None) -> tuple[subprocess.Popen, str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "brisk", "serve", "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+                            stdout=log, stderr=log, env=os.environ.copy())
     deadline = start + 600
     while time.perf_counter() < deadline:
         try:

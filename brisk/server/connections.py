@@ -88,5 +88,7 @@ def uvicorn_config(app, config, host: str, port: int, **kwargs) -> uvicorn.Confi
     limits from the server's config (a `ServerConfig`)."""
     protocol = type("BriskH11Protocol", (ReapingH11Protocol,), {
         "header_timeout_s": config.header_timeout_s, "max_connections": config.max_connections})
+    # uvicorn answers 503 once connections (the asking one included) reach limit_concurrency: + 1, so
+    # every one of the --max-connections connections this protocol admits can be served
     return uvicorn.Config(app, host=host, port=port, http=protocol, timeout_keep_alive=config.keep_alive_s,
-                          limit_concurrency=config.max_connections, lifespan="on", access_log=False, **kwargs)
+                          limit_concurrency=config.max_connections + 1, lifespan="on", access_log=False, **kwargs)
