@@ -11,24 +11,12 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.server.context_guard import ContextPolicy
 
 from live_server import serve_engine
 from test_engine_batching import make_engine
-
-CHAT = [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}]
-LONG = {"messages": CHAT, "max_tokens": 600, "ignore_eos": True, "temperature": 0}
-
-
-def metric(text: str, name: str, **labels) -> float:
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
-
+from test_server_failures import CHAT, LONG, metric
 
 def post_raw(http: httpx.Client, path: str, raw: str, **kw) -> httpx.Response:
     """POST a JSON text as written (json= would refuse a lone surrogate)."""

@@ -55,9 +55,9 @@ def build(app: FastAPI, state) -> dict[str, Any]:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    schemas.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}").pop("$defs", {}))
-    schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-    schemas["ErrorResponse"].pop("$defs", None)
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(error_schema.pop("$defs", {}))
+    schemas["ErrorResponse"] = error_schema
     key = state.config.api_key is not None
     if key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
