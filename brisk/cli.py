@@ -37,9 +37,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable KV prefix sharing")
 
 
-def build_engine(args: argparse.Namespace, loaded):
+def engine_configs(args: argparse.Namespace, max_model_len: int):
+    """The engine's cache and scheduler configs from serve/generate flags (torch-free: kv-plan
+    validates the flags it recommends with this)."""
     from brisk.config import CacheConfig, parse_memory
-    from brisk.engine.engine import LLMEngine
     from brisk.engine.scheduler import SchedulerConfig
 
     try:
@@ -47,9 +48,16 @@ def build_engine(args: argparse.Namespace, loaded):
         cache = CacheConfig(block_size=args.block_size, kv_cache_memory=memory,
                             enable_prefix_caching=not args.no_prefix_caching)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                max_model_len=loaded.max_model_len)
+                                max_model_len=max_model_len)
     except ValueError as e:
         raise BriskError(str(e)) from None
+    return cache, sched
+
+
+def build_engine(args: argparse.Namespace, loaded):
+    from brisk.engine.engine import LLMEngine
+
+    cache, sched = engine_configs(args, loaded.max_model_len)
     return LLMEngine(loaded, cache, sched, seed=args.seed or 0)
 
 

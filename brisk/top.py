@@ -8,6 +8,7 @@ interval, not the server's lifetime. No Prometheus needed.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +162,9 @@ def run_top(url: str, interval_s: float = 2.0, once: bool = False) -> int:
     if interval_s <= 0:
         raise BriskError(f"--interval must be > 0 seconds, got {interval_s}")
     console = Console()
+    if not once and not sys.stdout.isatty():
+        raise BriskError("brisk top redraws a live table and needs a terminal; for a plain snapshot in a log or "
+                         "a pipe, use --once")
     with httpx.Client(timeout=10) as client:
         prev = scrape(client, url)
         if once:

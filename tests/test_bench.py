@@ -4,6 +4,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -71,12 +72,16 @@ def test_poisson_arrivals_have_the_requested_rate():
 def test_replay_trace_parsing(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 10.5, "input_tokens": 5, "output_tokens": 3}\n\n'
-                     '{"arrival_s": 12, "prompt_tokens": 7, "output_tokens": 1}\n')
-    reqs, arrivals = replay(trace, PromptMaker(np.random.default_rng(0)), None, {})
-    assert arrivals == [0.0, 1.5] and [r.max_tokens for r in reqs] == [3, 1]
+                     '{"arrival_s": 12, "prompt_tokens": 7, "output_tokens": 1}\n'
+                     '{"arrival_s": 13, "prompt_tokens": 7, "output_tokens": null, "finish_reason": "abort"}\n'
+                     '{"arrival_s": 14, "prompt_tokens": 9, "output_tokens": 2, "finish_reason": "timeout"}\n')
+    reqs, arrivals, note = replay(trace, PromptMaker(np.random.default_rng(0)), None, {})
+    # the abort with no output is skipped; the timeout that produced 2 tokens is replayed with them
+    assert arrivals == [0.0, 1.5, 3.5] and [r.max_tokens for r in reqs] == [3, 1, 2]
     assert len(reqs[1].prompt.split()) == 7
+    assert "1 ended early" in note and "1 ended before any output" in note
     trace.write_text('{"timestamp": 1}\n')
-    with pytest.raises(BriskError, match=":1: need timestamp"):
+    with pytest.raises(BriskError, match=":1: need prompt_tokens"):
         replay(trace, PromptMaker(np.random.default_rng(0)), None, {})
 
 
@@ -186,3 +191,92 @@ def test_bench_rate_and_replay_modes(server, tmp_path):
     run = json.loads(out.read_text())["runs"][0]
     assert run["output_lens"] == [3, 5, 2] and run["input_lens"] == [20, 20, 20]
     assert run["send_offsets"][1] >= 0.45  # sent at the trace's own times
+
+
+def test_sweep_levels_get_fresh_prompts(server, tmp_path):
+    """Each level of a sweep sends prompts of its own: the prefix cache must not serve level 2
+    from level 1's prompts (it used to: TTFT fell as the load rose)."""
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, "-m", "brisk", "bench", server.url, "--sweep", "concurrency=1,2",
+                           "--num-requests", "3", "--warmup", "1", "--input-len", "64", "--output-len", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["concurrency=1", "concurrency=2"]
+    for run in runs:
+        assert run["completed"] == 3 and run["cached_input_tokens"] is not None
+        assert run["prefix_cache_hit_rate"] < 0.2, run["prefix_cache_hit_rate"]
+    assert "served from the server's prefix cache" not in proc.stderr
+
+
+def test_shared_prefix_runs_share_prefixes_and_report_hits(server, tmp_path):
+    out = tmp_path / "shared.json"
+    proc = subprocess.run([sys.executable, "-m", "brisk", "bench", server.url, "--workload", "shared-prefix",
+                           "--num-prefixes", "1", "--prefix-len", "64", "--input-len", "8", "--output-len", "2",
+                           "--concurrency", "1", "--num-requests", "3", "--warmup", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["prefix_cache_hit_rate"] > 0.5  # the warm-up cached the shared prefix
+
+
+def test_vllm_result_format_has_vllms_keys(server, tmp_path):
+    from brisk.bench.report import VLLM_HEADER_KEYS, VLLM_METRICS, VLLM_RESULT_KEYS
+
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run([sys.executable, "-m", "brisk", "bench", server.url, "--concurrency", "2",
+                           "--num-requests", "3", "--warmup", "0", "--input-len", "16", "--output-len", "4",
+                           "--json", str(out), "--result-format", "vllm"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    expected = list(VLLM_HEADER_KEYS) + list(VLLM_RESULT_KEYS) + [
+        f"{stat}_{m}_ms" for m in VLLM_METRICS for stat in ("mean", "median", "std", "p99")]
+    assert list(doc) == expected
+    # the fixed list is vLLM's (vllm/benchmarks/serve.py): a dashboard reading these keys finds them
+    assert {"duration", "completed", "request_throughput", "output_throughput", "median_ttft_ms", "p99_itl_ms",
+            "mean_tpot_ms", "max_concurrency", "request_rate"} <= set(doc)
+    assert doc["completed"] == 3 and doc["total_output_tokens"] == 12 and doc["max_concurrency"] == 2
+    assert doc["request_rate"] == "inf" and doc["backend"] == "openai" and len(doc["latencies"]) == 3
+    assert doc["median_ttft_ms"] > 0 and doc["max_concurrent_requests"] >= 1
+
+
+def test_trace_round_trip_serve_bench_kvplan_with_an_aborted_request(demo, tmp_path):
+    """serve --request-log -> bench --workload replay -> kv-plan --trace, one trace schema, with a
+    request the client abandoned mid-stream in the log."""
+    log = tmp_path / "requests.jsonl"
+    with serve_engine(make_engine(demo), request_log=str(log)) as live, live.client() as http:
+        for n in (3, 5):
+            assert http.post("/v1/completions", json={"prompt": "the sea and the sky " * 4, "max_tokens": n,
+                                                      "ignore_eos": True}).status_code == 200
+        with http.stream("POST", "/v1/completions", json={"prompt": "a long story", "max_tokens": 400,
+                                                          "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    break  # leave after the first event: the server aborts the request
+        deadline = time.monotonic() + 30
+        while len(log.read_text().splitlines()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = [json.loads(line) for line in log.read_text().splitlines()]
+        assert len(rows) == 3 and all(r["trace_version"] == 1 for r in rows)
+        aborted = rows[2]
+        assert aborted["finish_reason"] == "client_disconnect" and aborted["max_tokens"] == 400
+        assert aborted["output_tokens"] is not None and aborted["output_tokens"] < 400
+        out = tmp_path / "replay.json"
+        proc = subprocess.run([sys.executable, "-m", "brisk", "bench", live.url, "--workload", "replay",
+                               "--trace", str(log), "--json", str(out)], capture_output=True, text=True,
+                              timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    kept = [r for r in rows if r["output_tokens"]]
+    assert run["output_lens"] == [r["output_tokens"] for r in kept]
+    assert run["input_lens"] == [r["prompt_tokens"] for r in kept]
+    plan = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "brisk", "kv-plan", "--trace", str(log), "--memory", "256MiB",
+                           "--max-model-len", "1024", "--block-sizes", "16", "--json", str(plan)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(plan.read_text())
+    logged = [json.loads(line) for line in log.read_text().splitlines()]  # the replay was logged too
+    assert doc["requests"] + doc["skipped_lines"] == len(logged) == 3 + len(kept)
+    assert doc["aborted_requests"] == (1 if aborted["output_tokens"] else 0)

@@ -111,6 +111,14 @@ def test_usage_and_internal_fragmentation():
     usage = kv.usage()
     assert usage.num_used_blocks == 2 and usage.num_used_slots == 5
     assert usage.internal_fragmentation == pytest.approx(3 / 8) and usage.usage == pytest.approx(0.2)
+    kv.cache_full_blocks(a, 5)
+    b = Req("b", list(range(4)) + [50, 51, 52])  # shares a's first (full) block
+    hit = kv.find_cached_prefix(b)
+    assert hit.num_tokens == 4
+    kv.allocate_slots(b, 3, hit)
+    usage = kv.usage()
+    # blocks: a0 (shared, 4 slots, counted once), a1 (1 slot), b1 (3 slots)
+    assert usage.num_used_blocks == 3 and usage.num_used_slots == 4 + 1 + 3
 
 
 def _request(rid, n, max_tokens=4, priority=0):

@@ -198,7 +198,7 @@ def test_http_errors_are_openai_shaped(server):
 
 
 def test_request_log_feeds_kv_plan(demo, tmp_path):
-    from brisk.kvplan.trace import load_trace
+    from brisk.trace import read_trace
 
     log = tmp_path / "requests.jsonl"
     with serve_engine(make_engine(demo), request_log=str(log)) as live, live.client() as http:
@@ -208,5 +208,7 @@ def test_request_log_feeds_kv_plan(demo, tmp_path):
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["output_tokens"] for r in rows] == [3, 5]
     assert rows[0]["prompt_tokens"] == len(demo.tokenizer.encode_chat(CHAT)) and rows[0]["ttft_ms"] > 0
-    trace, skipped = load_trace(log)
-    assert skipped == 0 and [r.output_tokens for r in trace] == [3, 5] and trace[0].arrival_s == 0.0
+    loaded = read_trace(log)
+    trace = loaded.requests
+    assert loaded.skipped == 0 and [r.output_tokens for r in trace] == [3, 5] and trace[0].arrival_s == 0.0
+    assert [r.max_tokens for r in trace] == [3, 5] and rows[0]["trace_version"] == 1

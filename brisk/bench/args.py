@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", default=None, help="concurrency=1,2,4,... or rate=0.5,1,2,...")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
+    p.add_argument("--repeat", type=int, default=1, help="run each level this many times, each with fresh prompts")
     p.add_argument("--duration", type=float, default=None, help="stop issuing requests after this many seconds")
     p.add_argument("--workload", default="synthetic", choices=["synthetic", "shared-prefix", "sharegpt", "replay"])
     p.add_argument("--input-len", default="256", help="prompt length distribution (see docs), e.g. "
@@ -26,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: number of distinct prefixes")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per prefix")
     p.add_argument("--dataset", type=Path, default=None, help="sharegpt: the ShareGPT JSON file")
-    p.add_argument("--trace", type=Path, default=None, help="replay: JSONL of timestamp,input_tokens,output_tokens")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="replay: a trace (brisk serve --request-log, or JSONL of arrival_s, prompt_tokens, "
+                        "output_tokens)")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
                    help="synthetic prompts go to /v1/completions (exact lengths) or /v1/chat/completions")
     p.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
@@ -34,5 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", type=Path, default=None, dest="json_path", help="write results as JSON")
+    p.add_argument("--result-format", default="brisk", choices=["brisk", "vllm"],
+                   help="--json layout: brisk (every run in one file) or vllm (the keys of `vllm bench serve "
+                        "--save-result`, one file per run: NAME.json, or NAME-LABEL.json for several runs)")
     p.add_argument("--csv", type=Path, default=None, help="write one summary row per run")
     p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")

@@ -84,6 +84,9 @@ def _consume_chunk(record: RequestRecord, chunk: dict[str, Any], chat: bool) -> 
         record.prompt_tokens = usage.get("prompt_tokens")
         record.output_tokens = usage.get("completion_tokens")
         record.server_timings = usage.get("brisk")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.cached_tokens = details["cached_tokens"]
 
 
 def error_message(text: str) -> str:
@@ -148,9 +151,10 @@ async def run_schedule(base_url: str, model: str, requests: list[BenchRequest], 
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(timeout_s, connect=30)) as http:
-        async def one(i: int) -> None:
+        async def one(i: int, due: float) -> None:
             try:
                 records[i] = await send_streaming(http, model, requests[i])
+                records[i].due_ts = due
                 if on_done is not None:
                     on_done(records[i])
             finally:
@@ -166,11 +170,12 @@ async def run_schedule(base_url: str, model: str, requests: list[BenchRequest], 
                     delay = start + arrivals[i] - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
+                due = start + (arrivals[i] if arrivals is not None else 0.0)
                 await gate.acquire()
                 if duration_s is not None and time.perf_counter() - start > duration_s:
                     gate.release()
                     break
-                tasks.append(asyncio.create_task(one(i)))
+                tasks.append(asyncio.create_task(one(i, due)))
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 
 import httpx
@@ -93,37 +94,51 @@ class Server:
         return count
 
 
-def build_workload(args, server: Server, model: str) -> tuple[list[BenchRequest], list[float] | None]:
-    rng = np.random.default_rng(args.seed)
-    counter = server.token_counter(model)
+def build_workload(args, server: Server, model: str, n: int, draw: int = 0) -> tuple[list[BenchRequest],
+                                                                                   list[float] | None]:
+    """`n` requests for one run. Every run (`draw`: 0 = warm-up, 1.. = each sweep level or repeat)
+    gets prompts of its own, so a server's prefix cache cannot serve a later level from an
+    earlier one's prompts; only a shared-prefix workload shares (its prefixes, on purpose)."""
+    rng = np.random.default_rng([args.seed, draw])
+    counter = server.counter if server.counter is not None else server.token_counter(model)
     maker = wl.PromptMaker(rng, counter)
     extra = {"temperature": 0.0}
     if not args.no_ignore_eos:
         extra["ignore_eos"] = True
     outputs = wl.parse_length_dist(args.output_len, "--output-len")
-    n = args.num_requests + args.warmup
     if n < 1:
         raise BriskError("--num-requests must be >= 1")
     if args.workload == "synthetic":
         reqs = wl.synthetic(maker, rng, n, wl.parse_length_dist(args.input_len, "--input-len"), outputs, extra)
     elif args.workload == "shared-prefix":
+        prefix_maker = wl.PromptMaker(np.random.default_rng(args.seed), counter)  # the same prefixes in every run
         reqs = wl.shared_prefix(maker, rng, n, args.num_prefixes, args.prefix_len,
-                                wl.parse_length_dist(args.input_len, "--input-len"), outputs, extra)
+                                wl.parse_length_dist(args.input_len, "--input-len"), outputs, extra,
+                                prefix_maker=prefix_maker)
     elif args.workload == "sharegpt":
         if args.dataset is None:
             raise BriskError("--workload sharegpt needs --dataset FILE (ShareGPT JSON)")
-        reqs = wl.sharegpt(args.dataset, rng, n, counter, int(outputs.high if outputs.kind != "fixed" else
-                                                                 outputs.mean), extra)
+        reqs = wl.sharegpt(args.dataset, np.random.default_rng(args.seed), n, counter,
+                           int(outputs.high if outputs.kind != "fixed" else outputs.mean), extra, skip=draw_offset(
+                               args, draw))
     else:
         if args.trace is None:
-            raise BriskError("--workload replay needs --trace FILE (JSONL)")
-        reqs, arrivals = wl.replay(args.trace, maker, None, extra)
+            raise BriskError("--workload replay needs --trace FILE (a brisk serve --request-log, or JSONL with "
+                             "arrival_s, prompt_tokens, output_tokens)")
+        reqs, arrivals, note = wl.replay(args.trace, maker, None, extra)
+        if note:
+            print(f"--trace {args.trace}: {note}", file=sys.stderr)
         return reqs, arrivals
     if args.endpoint == "chat":
         for r in reqs:
             if r.prompt is not None:
                 r.messages, r.prompt = [{"role": "user", "content": r.prompt}], None
     return reqs, None
+
+
+def draw_offset(args, draw: int) -> int:
+    """Where run `draw` starts in the dataset: the warm-up first, then each run after the last."""
+    return 0 if draw == 0 else args.warmup + (draw - 1) * args.num_requests
 
 
 def _runs(args) -> list[tuple[str, str, float | None]]:
@@ -143,52 +158,57 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import os
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from brisk.progress import Progress
 
     console = Console(stderr=True)
     for name in ("concurrency", "max_concurrency"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BriskError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.repeat < 1:
+        raise BriskError(f"--repeat must be >= 1, got {args.repeat}")
     slo = parse_goodput(args.goodput)
     server = Server(args.url, args.api_key or os.environ.get("OPENAI_API_KEY"))
     model = server.model(args.model)
-    requests, trace_arrivals = build_workload(args, server, model)
-    if args.workload == "replay":  # the trace is replayed as recorded, without warm-up
-        warmup, measured = [], requests
-    else:
-        warmup, measured = requests[:args.warmup], requests[args.warmup:]
+    runs = _runs(args)
     common = dict(api_key=server.api_key, timeout_s=args.timeout)
-    if warmup:
+    if args.workload != "replay" and args.warmup > 0:  # a trace is replayed as recorded, without warm-up
+        warmup, _ = build_workload(args, server, model, args.warmup, draw=0)
         asyncio.run(run_schedule(server.url, model, warmup, max_concurrency=min(len(warmup), 4), **common))
     results = []
     rng = np.random.default_rng(args.seed + 1)
-    for label, knob, value in _runs(args):
-        arrivals, cap = trace_arrivals, args.max_concurrency
-        if knob == "concurrency":
-            cap = int(value)
-        elif knob == "rate":
-            arrivals = wl.arrival_offsets(len(measured), value, args.burstiness, rng)
-        monitor = LoopLagMonitor()
-        with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            task = progress.add_task(label, total=len(measured))
-            records = asyncio.run(run_schedule(
-                server.url, model, measured, arrivals=arrivals, max_concurrency=cap, duration_s=args.duration,
-                monitor=monitor, on_done=lambda _: progress.advance(task), **common))
-        if not records:
-            raise BriskError(f"{label}: no request was sent (is --duration too short?)")
-        results.append(RunResult(label, knob, value, records, summarize(records, slo), monitor.p99_ms))
-    import sys
+    draw = 0
+    for label, knob, value in runs:
+        for repeat in range(args.repeat):
+            draw += 1
+            measured, trace_arrivals = build_workload(args, server, model, args.num_requests, draw)
+            arrivals, cap = trace_arrivals, args.max_concurrency
+            if knob == "concurrency":
+                cap = int(value)
+            elif knob == "rate":
+                arrivals = wl.arrival_offsets(len(measured), value, args.burstiness, rng)
+            run_label = label if args.repeat == 1 else f"{label} #{repeat + 1}"
+            monitor = LoopLagMonitor()
+            with Progress(run_label, len(measured)) as progress:
+                records = asyncio.run(run_schedule(
+                    server.url, model, measured, arrivals=arrivals, max_concurrency=cap, duration_s=args.duration,
+                    monitor=monitor, on_done=lambda _: progress.advance(), **common))
+            if not records:
+                raise BriskError(f"{run_label}: no request was sent (is --duration too short?)")
+            results.append(RunResult(run_label, knob, value, records, summarize(records, slo), monitor.p99_ms,
+                                     cap))
 
     Console(width=None if sys.stdout.isatty() else 160).print(console_table(results))
-    _print_warnings(console, results)
+    _print_warnings(console, results, args)
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base_url": server.url, "model_id": model,
             "endpoint": args.endpoint, "workload": args.workload, "input_len": args.input_len,
-            "output_len": args.output_len, "num_prompts": len(measured), "burstiness": args.burstiness,
+            "output_len": args.output_len, "num_prompts": args.num_requests, "burstiness": args.burstiness,
             "ignore_eos": not args.no_ignore_eos, "exact_prompt_lengths": server.counter is not None,
+            "fresh_prompts_per_run": args.workload != "shared-prefix",
             "goodput_slo": None if slo is None else {k: v for k, v in vars(slo).items() if v is not None}}
     if args.json_path:
-        write_json(args.json_path, meta, results)
+        for path in write_json(args.json_path, meta, results, args.result_format):
+            console.print(f"results: {path}")
     if args.csv:
         write_csv(args.csv, results)
     if args.plot:
@@ -200,8 +220,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_warnings(console, results: list[RunResult]) -> None:
+INTENDED_HIT_RATE = 0.25  # above this, a fresh-prompt workload is being served from the cache
+
+
+def _print_warnings(console, results: list[RunResult], args) -> None:
     for r in results:
+        rate = r.summary.prefix_cache_hit_rate
+        if rate is not None and args.workload != "shared-prefix" and rate > INTENDED_HIT_RATE:
+            console.print(f"[yellow]warning[/]: {r.label}: {rate:.0%} of prompt tokens were served from the "
+                          "server's prefix cache although every prompt of this workload is fresh (a chat template "
+                          "or a system prompt repeated in every request?): its TTFT is lower than new prompts "
+                          "would see")
         if r.client_bound:
             console.print(f"[yellow]warning[/]: {r.label}: the client's own event loop lagged "
                           f"{r.loop_lag_p99_ms:.0f} ms (p99); the client, not the server, may be the bottleneck — "

@@ -29,6 +29,8 @@ class RequestRecord:
     status: int | None = None
     error: str | None = None
     server_timings: dict[str, Any] | None = None  # brisk's usage.brisk when offered
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
+    due_ts: float | None = None  # when the schedule wanted it sent (queue time = sent_ts - due_ts)
 
     @property
     def ok(self) -> bool:
@@ -103,6 +105,13 @@ class Summary:
     e2el: Distribution | None
     goodput: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    cached_input_tokens: int | None = None  # prompt tokens the server served from its prefix cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        if self.cached_input_tokens is None or not self.total_input_tokens:
+            return None
+        return self.cached_input_tokens / self.total_input_tokens
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -110,7 +119,8 @@ class Summary:
             "total_input_tokens": self.total_input_tokens, "total_output_tokens": self.total_output_tokens,
             "request_throughput": self.request_throughput, "output_throughput": self.output_throughput,
             "total_token_throughput": self.total_token_throughput, "request_goodput": self.goodput,
-            "errors": self.errors,
+            "errors": self.errors, "cached_input_tokens": self.cached_input_tokens,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
         }
         for name in ("ttft", "tpot", "itl", "e2el"):
             dist: Distribution | None = getattr(self, name)
@@ -132,6 +142,8 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> Summary:
             errors[r.error or "unfinished"] = errors.get(r.error or "unfinished", 0) + 1
     inputs = sum(r.prompt_tokens or 0 for r in ok)
     outputs = sum(r.output_tokens or 0 for r in ok)
+    reported = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    cached = sum(reported) if ok and len(reported) == len(ok) else None  # only when every reply said
     return Summary(
         duration_s=duration, completed=len(ok), failed=len(records) - len(ok), total_input_tokens=inputs,
         total_output_tokens=outputs, request_throughput=len(ok) / duration, output_throughput=outputs / duration,
@@ -141,5 +153,5 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> Summary:
         itl=Distribution.of([gap for r in ok for gap in r.itl_s]),
         e2el=Distribution.of([r.e2e_s for r in ok]),
         goodput=None if slo is None else sum(slo.met_by(r) for r in ok) / duration,
-        errors=errors,
+        errors=errors, cached_input_tokens=cached,
     )

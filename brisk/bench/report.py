@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ class RunResult:
     records: list[RequestRecord]
     summary: Summary
     loop_lag_p99_ms: float
+    max_concurrency: int | None = None
 
     @property
     def client_bound(self) -> bool:
@@ -58,8 +60,8 @@ def console_table(results: list[RunResult]):
     from rich.table import Table
 
     table = Table(title="brisk bench", header_style="bold")
-    for col in ("run", "ok/failed", "out tok/s", "req/s", "goodput", "TTFT p50", "TTFT p99", "TPOT p50",
-                "ITL p50", "ITL p99", "E2E p50"):
+    for col in ("run", "ok/failed", "out tok/s", "req/s", "goodput", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                "ITL p50 ms", "ITL p99 ms", "E2E p50 ms", "cache hits"):
         table.add_column(col, justify="right")
     for r in results:
         s = r.summary
@@ -70,13 +72,89 @@ def console_table(results: list[RunResult]):
         table.add_row(r.label + (" ⚠" if r.client_bound else ""), f"{s.completed}/{s.failed}",
                       f"{s.output_throughput:.1f}", f"{s.request_throughput:.2f}",
                       "–" if s.goodput is None else f"{s.goodput:.2f}", ms(s.ttft, "median"), ms(s.ttft, "p99"),
-                      ms(s.tpot, "median"), ms(s.itl, "median"), ms(s.itl, "p99"), ms(s.e2el, "median"))
+                      ms(s.tpot, "median"), ms(s.itl, "median"), ms(s.itl, "p99"), ms(s.e2el, "median"),
+                      "–" if s.prefix_cache_hit_rate is None else f"{s.prefix_cache_hit_rate:.0%}")
     return table
 
 
-def write_json(path: Path, meta: dict[str, Any], results: list[RunResult]) -> None:
+def write_json(path: Path, meta: dict[str, Any], results: list[RunResult], result_format: str = "brisk") -> list[Path]:
+    if result_format == "vllm":
+        return write_vllm(Path(path), meta, results)
     doc = {"brisk_bench_schema": SCHEMA_VERSION, **meta, "runs": [r.to_dict() for r in results]}
     Path(path).write_text(json.dumps(doc, indent=1, default=float) + "\n", encoding="utf-8")
+    return [Path(path)]
+
+
+# The keys of `vllm bench serve --save-result` (vLLM main, vllm/benchmarks/serve.py, late 2026), in
+# its order, for a generation backend with the default --percentile-metrics ttft,tpot,itl and
+# --metric-percentiles 99, without --save-detailed.
+VLLM_HEADER_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+                    "request_rate", "burstiness", "max_concurrency")
+VLLM_RESULT_KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+                    "latencies", "queue_times", "max_output_tokens_per_s", "max_concurrent_requests", "rtfx")
+VLLM_METRICS = ("ttft", "tpot", "itl")
+
+
+def vllm_result(meta: dict[str, Any], r: RunResult) -> dict[str, Any]:
+    s = r.summary
+    ok = [x for x in r.records if x.ok]
+    doc: dict[str, Any] = {
+        "date": time.strftime("%Y%m%d-%H%M%S"), "endpoint_type": _vllm_backend(meta), "backend": _vllm_backend(meta),
+        "label": None, "model_id": meta["model_id"], "tokenizer_id": meta["model_id"],
+        "num_prompts": len(r.records),
+        "request_rate": r.value if r.knob == "rate" else "inf",
+        "burstiness": meta["burstiness"], "max_concurrency": r.max_concurrency,
+        "duration": s.duration_s, "completed": s.completed, "failed": s.failed,
+        "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
+        "request_throughput": s.request_throughput, "request_goodput": s.goodput,
+        "output_throughput": s.output_throughput, "total_token_throughput": s.total_token_throughput,
+        "latencies": [x.e2e_s or 0.0 for x in r.records],
+        "queue_times": [max(x.sent_ts - x.due_ts, 0.0) if x.due_ts is not None else 0.0 for x in r.records],
+        **_peaks(r.records), "rtfx": 0.0,
+    }
+    for name in VLLM_METRICS:
+        values = {"ttft": [x.ttft_s for x in ok], "tpot": [x.tpot_s for x in ok],
+                  "itl": [g for x in ok for g in x.itl_s]}[name]
+        arr = np.asarray([v for v in values if v is not None] or [0.0]) * 1e3  # vLLM reports 0 when empty
+        doc[f"mean_{name}_ms"], doc[f"median_{name}_ms"] = float(arr.mean()), float(np.median(arr))
+        doc[f"std_{name}_ms"], doc[f"p99_{name}_ms"] = float(arr.std()), float(np.percentile(arr, 99))
+    return doc
+
+
+def _vllm_backend(meta: dict[str, Any]) -> str:
+    return "openai-chat" if meta.get("endpoint") == "chat" else "openai"
+
+
+def _peaks(records: list[RequestRecord]) -> dict[str, float]:
+    """vLLM's peak figures: output tokens in the busiest whole second, and the most requests in
+    flight during any second (a request counts in every second it overlaps)."""
+    if not records:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    start = min(x.sent_ts for x in records)
+    tokens: dict[int, int] = {}
+    active: dict[int, int] = {}
+    for x in records:
+        for t in x.chunk_ts:
+            tokens[int(t - start)] = tokens.get(int(t - start), 0) + 1
+        end = x.end_ts if x.end_ts is not None else (x.chunk_ts[-1] if x.chunk_ts else x.sent_ts)
+        for second in range(int(x.sent_ts - start), int(end - start) + 1):
+            active[second] = active.get(second, 0) + 1
+    return {"max_output_tokens_per_s": float(max(tokens.values(), default=0)),
+            "max_concurrent_requests": max(active.values(), default=0)}
+
+
+def write_vllm(path: Path, meta: dict[str, Any], results: list[RunResult]) -> list[Path]:
+    written = []
+    for r in results:
+        target = path if len(results) == 1 else path.with_name(f"{path.stem}-{_slug(r.label)}{path.suffix}")
+        target.write_text(json.dumps(vllm_result(meta, r), indent=1) + "\n", encoding="utf-8")
+        written.append(target)
+    return written
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in label.replace("=", "")).strip("-")
 
 
 CSV_COLUMNS = ("label", "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",

@@ -146,16 +146,21 @@ def synthetic(maker: PromptMaker, rng, n: int, inputs: LengthDist, outputs: Leng
 
 
 def shared_prefix(maker: PromptMaker, rng, n: int, num_prefixes: int, prefix_len: int, suffixes: LengthDist,
-                  outputs: LengthDist, extra: dict) -> list[BenchRequest]:
+                  outputs: LengthDist, extra: dict, prefix_maker: PromptMaker | None = None) -> list[BenchRequest]:
+    """Requests whose prompts start with one of `num_prefixes` shared prefixes (made by
+    `prefix_maker`, so several runs can share them) and end with a fresh suffix."""
     if num_prefixes < 1 or prefix_len < 1:
         raise BriskError("shared-prefix needs --num-prefixes >= 1 and --prefix-len >= 1")
-    prefixes = [maker.make(prefix_len) + " " for _ in range(num_prefixes)]
+    prefixes = [(prefix_maker or maker).make(prefix_len) + " " for _ in range(num_prefixes)]
     sfx, outs = suffixes.sample(rng, n), outputs.sample(rng, n)
     return [BenchRequest(prompt=maker.make(s, prefix=prefixes[i % num_prefixes]), max_tokens=o, extra=dict(extra))
             for i, (s, o) in enumerate(zip(sfx, outs))]
 
 
-def sharegpt(path: Path, rng, n: int, count_tokens: Counter | None, max_output: int, extra: dict) -> list[BenchRequest]:
+def sharegpt(path: Path, rng, n: int, count_tokens: Counter | None, max_output: int, extra: dict,
+             skip: int = 0) -> list[BenchRequest]:
+    """`n` conversations in a shuffled order (`rng`), starting `skip` into it, so consecutive runs
+    take different conversations until the dataset runs out (then it wraps around)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
@@ -172,40 +177,27 @@ def sharegpt(path: Path, rng, n: int, count_tokens: Counter | None, max_output: 
     order = rng.permutation(len(pairs))
     out = []
     for i in range(n):
-        human, reply = pairs[order[i % len(pairs)]]
+        human, reply = pairs[order[(skip + i) % len(pairs)]]
         reply_tokens = count_tokens(reply) if count_tokens else len(reply.split())
         out.append(BenchRequest(messages=[{"role": "user", "content": human}],
                                 max_tokens=max(1, min(reply_tokens, max_output)), extra=dict(extra)))
     return out
 
 
-def replay(path: Path, maker: PromptMaker, limit: int | None, extra: dict) -> tuple[list[BenchRequest], list[float]]:
-    """A JSONL trace: one object per line with `timestamp` (or `arrival_s`), `input_tokens`
-    (or `prompt_tokens`) and `output_tokens`. Returns requests and arrival offsets in seconds."""
+def replay(path: Path, maker: PromptMaker, limit: int | None, extra: dict) -> tuple[list[BenchRequest], list[float],
+                                                                                     str]:
+    """A trace (brisk/trace.py: `brisk serve --request-log`, or JSONL with arrival_s, prompt_tokens,
+    output_tokens). Returns requests, arrival offsets in seconds, and a note on requests that
+    ended early in the recording."""
+    from brisk.trace import read_trace
+
+    trace = read_trace(path)
     requests, arrivals = [], []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise BriskError(f"--trace {path}: {e.strerror or e}") from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            ts = float(row.get("timestamp", row.get("arrival_s")))
-            n_in = int(row.get("input_tokens", row.get("prompt_tokens")))
-            n_out = int(row["output_tokens"])
-        except (ValueError, TypeError, KeyError):
-            raise BriskError(f"--trace {path}:{lineno}: need timestamp, input_tokens and output_tokens "
-                             f"(numbers) on each line") from None
-        arrivals.append(ts)
-        requests.append(BenchRequest(prompt=maker.make(max(n_in, 1)), max_tokens=max(n_out, 1), extra=dict(extra)))
-        if limit is not None and len(requests) >= limit:
-            break
-    if not requests:
-        raise BriskError(f"--trace {path}: no requests")
-    start = min(arrivals)
-    return requests, [a - start for a in arrivals]
+    for r in trace.requests[:limit]:
+        arrivals.append(r.arrival_s)
+        requests.append(BenchRequest(prompt=maker.make(r.prompt_tokens), max_tokens=r.output_tokens,
+                                     extra=dict(extra)))
+    return requests, arrivals, trace.describe()
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:

@@ -9,8 +9,8 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("traffic (a trace, or distributions)")
     src.add_argument("--trace", type=Path, default=None,
-                     help="JSONL (brisk serve --request-log, or arrival_s/prompt_tokens/output_tokens per line) "
-                          "or a brisk bench --json file")
+                     help="a trace (JSONL: brisk serve --request-log, kv-plan --save-trace, or "
+                          "arrival_s/prompt_tokens/output_tokens per line) or a brisk bench --json file")
     src.add_argument("--prompt-len", default="lognormal:mean=600,sigma=0.9,min=16,max=4000",
                      help="without --trace: prompt length distribution (brisk bench syntax)")
     src.add_argument("--output-len", default="lognormal:mean=250,sigma=0.8,min=8,max=2000")
@@ -28,10 +28,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     eng.add_argument("--max-tokens", type=int, default=None,
                      help="max_tokens clients ask for when the trace has none (default: the rest of the window)")
-    eng.add_argument("--max-num-seqs", type=int, default=256)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    eng.add_argument("--max-num-seqs", type=int, default=64, help="as brisk serve's flag (default 64, its default)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=512,
+                     help="as brisk serve's flag: the step's token budget; longer prompts are prefilled in chunks "
+                          "(default 512, its default)")
+    eng.add_argument("--no-prefix-caching", action="store_true", help="as brisk serve's flag")
     eng.add_argument("--decode-tps", type=float, default=20.0,
-                     help="generation speed per sequence, tokens/s (one engine step = 1/decode-tps s)")
+                     help="generation speed per sequence, tokens/s: a step takes 1/decode-tps s (brisk bench's "
+                          "TPOT is 1000/decode-tps ms)")
+    eng.add_argument("--prefill-tps", type=float, default=2000.0,
+                     help="prompt tokens prefilled per second; a step also takes its prompt tokens / prefill-tps "
+                          "(brisk doctor reports the prefill cost per 1k tokens)")
     eng.add_argument("--block-sizes", default="8,16,32,64,128")
     eng.add_argument("--buckets", default="auto",
                      help="bucketed pools as slot sizes:memory shares, e.g. 1024,2048,8192:0.5,0.3,0.2 "

@@ -38,60 +38,64 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     from brisk.bench.workloads import parse_length_dist
     from brisk.config import parse_memory
     from brisk.kvplan.fit import fit_truncated_lognormal
-    from brisk.kvplan.plan import PlanInputs, model_shape, recommend, run_strategies
+    from brisk.kvplan.plan import PlanInputs, model_shape, recommend, run_strategies, synthetic_trace
     from brisk.kvplan.report import fit_table, strategy_table, write_plots
-    from brisk.kvplan.trace import load_trace, synthetic_trace
+    from brisk.trace import Trace, TraceWriter, read_trace, trace_row
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
         memory = parse_memory(args.memory)
     except ValueError as e:
         raise BriskError(f"--memory: {e}") from None
-    if args.decode_tps <= 0:
-        raise BriskError(f"--decode-tps must be > 0, got {args.decode_tps}")
+    for flag in ("decode_tps", "prefill_tps"):
+        if getattr(args, flag) <= 0:
+            raise BriskError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     shape = model_shape(args.model, args.kv_dtype)
     per_token = args.bytes_per_token or shape.bytes_per_token
     max_model_len = args.max_model_len or shape.max_model_len
-    skipped = 0
     if args.trace is not None:
-        trace, skipped = load_trace(args.trace)
+        loaded = read_trace(args.trace)
     else:
-        trace = synthetic_trace(parse_length_dist(args.prompt_len, "--prompt-len"),
-                                parse_length_dist(args.output_len, "--output-len"), args.num_requests, args.rate,
-                                args.seed)
+        loaded = Trace(synthetic_trace(parse_length_dist(args.prompt_len, "--prompt-len"),
+                                       parse_length_dist(args.output_len, "--output-len"), args.num_requests,
+                                       args.rate, args.seed))
+    trace = loaded.requests
     if args.save_trace is not None:
-        with open(args.save_trace, "w", encoding="utf-8") as f:
+        with TraceWriter(args.save_trace, mode="w") as writer:
             for r in trace:
-                f.write(json.dumps({"arrival_s": round(r.arrival_s, 4), "prompt_tokens": r.prompt_tokens,
-                                    "output_tokens": r.output_tokens, "max_tokens": r.max_tokens,
-                                    "prefix_group": r.prefix_group, "prefix_tokens": r.prefix_tokens}) + "\n")
+                writer.write(trace_row(r))
     if args.buckets == "auto":
         sizes, shares = [max(max_model_len // d, 1) for d in (8, 4, 2, 1)], [1.0] * 4
     else:
         sizes, shares = _buckets(args.buckets)
     inputs = PlanInputs(memory // per_token, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                        1.0 / args.decode_tps, args.max_tokens, _ints(args.block_sizes, "--block-sizes"), sizes,
-                        shares, args.rebalance_every)
-    if inputs.capacity_tokens < 1:
-        raise BriskError(f"--memory {args.memory} holds no token at {per_token} bytes per token")
+                        1.0 / args.decode_tps, args.prefill_tps, args.max_tokens,
+                        _ints(args.block_sizes, "--block-sizes"), sizes, shares, args.rebalance_every,
+                        not args.no_prefix_caching)
+    if inputs.capacity_tokens < max_model_len:
+        raise BriskError(f"--memory {args.memory} holds {inputs.capacity_tokens} tokens at {per_token} bytes per "
+                         f"token, less than one max-length ({max_model_len}) sequence: brisk serve would refuse "
+                         "it; give more --memory or a lower --max-model-len")
     fits = {name: fit_truncated_lognormal([getattr(r, attr) for r in trace])
             for name, attr in (("prompt tokens", "prompt_tokens"), ("output tokens", "output_tokens"))}
-    results = run_strategies(trace, inputs)
+    results = run_strategies(trace, inputs, per_token)
     plan = recommend(results, inputs, shape)
     console.print(f"[bold]brisk kv-plan[/]: {len(trace)} requests"
-                  + (f" ({skipped} aborted lines skipped)" if skipped else "")
+                  + (f" ({loaded.describe()})" if loaded.describe() else "")
                   + f", model {shape.name}: {per_token} bytes/token ({shape.detail}); "
                   f"memory {args.memory} = {inputs.capacity_tokens:,} tokens; max_model_len {max_model_len}; "
-                  f"step {inputs.step_s * 1e3:.0f} ms")
+                  f"step {inputs.step_s * 1e3:.0f} ms + prompt tokens at {inputs.prefill_tps:g}/s")
     console.print(fit_table(fits))
     console.print(strategy_table(results))
     console.print(f"[bold green]recommendation[/]: paged KV, block size {plan['block_size']}, "
                   f"{plan['num_blocks']:,} blocks ({inputs.capacity_tokens:,} tokens); expected concurrency "
                   f"{plan['expected_concurrency']['mean']:.1f} mean / {plan['expected_concurrency']['peak']} peak "
                   f"sequences; admission delay p99 {plan['admission_delay_s']['p99']:.2f} s; "
-                  f"{plan['preemptions']} preemptions\n  brisk serve {plan.get('brisk_serve_flags', '')}")
+                  f"{plan['preemptions']} preemptions; peak {plan['peak_blocks']} blocks\n"
+                  f"  brisk serve {plan['brisk_serve_flags']}")
     if args.json_path:
-        doc = {"brisk_kv_plan_schema": 1, "requests": len(trace), "skipped_lines": skipped,
+        doc = {"brisk_kv_plan_schema": 2, "requests": len(trace), "skipped_lines": loaded.skipped,
+               "aborted_requests": loaded.aborted, "prefill_tps": inputs.prefill_tps,
                "bytes_per_token": per_token, "model": shape.name, "memory_bytes": memory,
                "capacity_tokens": inputs.capacity_tokens, "max_model_len": max_model_len, "step_s": inputs.step_s,
                "fits": {k: v.to_dict() for k, v in fits.items()},

@@ -80,9 +80,16 @@ def fit_truncated_lognormal(values, low: float | None = None, high: float | None
             return 1e300
         return -(stats.norm.logpdf(y, mu, sigma).sum() - y.size * math.log(mass))
 
+    if x.min() == x.max():  # nothing to fit (the optimiser would chase sigma -> 0 for thousands of steps)
+        fit = LengthFit(float(y[0]), 1e-3, low, high, int(x.size), 0.0, 1.0, empirical_summary(x))
+        return fit
     start = [float(y.mean()), math.log(max(float(y.std()), 1e-3))]
-    result = optimize.minimize(nll, start, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-8,
-                                                                        "maxiter": 4000})
+    # Bounded: with a few lengths the truncated likelihood is flat, and mu would otherwise wander
+    # off to where exp(mu) overflows.
+    bounds = [(log_low - 3.0, log_high + 3.0), (math.log(1e-3), math.log(10.0))]
+    start = [min(max(start[0], bounds[0][0]), bounds[0][1]), min(max(start[1], bounds[1][0]), bounds[1][1])]
+    result = optimize.minimize(nll, start, method="Nelder-Mead", bounds=bounds,
+                               options={"xatol": 1e-6, "fatol": 1e-8, "maxiter": 4000})
     mu, sigma = float(result.x[0]), float(math.exp(result.x[1]))
     fit = LengthFit(mu, sigma, low, high, int(x.size), 0.0, 1.0, empirical_summary(x))
     ks = stats.kstest(x, fit.cdf)

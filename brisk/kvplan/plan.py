@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brisk.errors import BriskError
-from brisk.kvplan.simulate import (BucketAllocator, ContiguousAllocator, PagedAllocator, SimConfig, SimResult,
-                                   simulate)
-from brisk.kvplan.trace import TraceRequest
+from brisk.kvplan.engine_sim import EngineSimConfig, StepCost, simulate_engine
+from brisk.kvplan.simulate import BucketAllocator, ContiguousAllocator, SimConfig, SimResult, simulate
+from brisk.trace import TraceRequest
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
@@ -31,7 +31,19 @@ def model_shape(model: str | None, kv_dtype: str) -> ModelShape:
     if kv_dtype not in _DTYPE_BYTES:
         raise BriskError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(_DTYPE_BYTES)}")
     src = resolve(model)
-    if src.kind == "gguf":
+    converted = None
+    if src.kind == "gguf":  # a converted copy's config.json, when brisk served it before: no GGUF parse
+        from brisk.loading.cache_dir import cache_dir
+        from brisk.loading.gguf_convert import converted_dir
+
+        try:
+            candidates = [converted_dir(cache_dir(), src.path, q) for q in ("auto", "none", "int8", "int4")]
+        except BriskError:  # an unusable cache directory: read the GGUF itself
+            candidates = []
+        converted = next((d / "config.json" for d in candidates if (d / "config.json").exists()), None)
+    if converted is not None:
+        config = json.loads(converted.read_text(encoding="utf-8"))
+    elif src.kind == "gguf":
         reader = open_gguf(src.path)
         has_output = any(t.name == "output.weight" for t in reader.tensors)
         config = hf_config(read_metadata(reader), has_output, str(src.path))
@@ -51,16 +63,50 @@ class PlanInputs:
     max_num_seqs: int
     max_num_batched_tokens: int
     step_s: float
+    prefill_tps: float
     default_max_tokens: int | None
     block_sizes: list[int]
     bucket_sizes: list[int]
     bucket_shares: list[float]
     rebalance_every: int
+    enable_prefix_caching: bool = True
 
 
-def run_strategies(trace: list[TraceRequest], p: PlanInputs) -> list[SimResult]:
+def serve_flags(p: PlanInputs, block_size: int, bytes_per_token: int) -> str:
+    """The `brisk serve` flags that give the engine simulated for this block size."""
+    memory_mib = p.capacity_tokens * bytes_per_token // 2**20
+    flags = (f"--block-size {block_size} --kv-cache-memory {memory_mib}MiB --max-num-seqs {p.max_num_seqs} "
+             f"--max-num-batched-tokens {p.max_num_batched_tokens} --max-model-len {p.max_model_len}")
+    return flags + ("" if p.enable_prefix_caching else " --no-prefix-caching")
+
+
+def blocks_of_flags(flags: str, bytes_per_token: int, max_model_len: int) -> int:
+    """Parse `flags` with brisk serve's own parser and build its engine configs: the number of KV
+    blocks brisk serve would allocate, or a BriskError saying why it would refuse to start."""
+    import contextlib
+    import io
+
+    from brisk.cli import build_parser, engine_configs
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = build_parser().parse_args(["serve", *flags.split()])
+    except SystemExit:
+        raise BriskError(f"brisk serve would reject {flags!r}: {err.getvalue().strip().splitlines()[-1]}") from None
+    cache, sched = engine_configs(args, args.max_model_len or max_model_len)
+    return cache.num_blocks(bytes_per_token, sched.max_model_len, available_bytes=0)
+
+
+def run_strategies(trace: list[TraceRequest], p: PlanInputs, bytes_per_token: int) -> list[SimResult]:
+    engines = []  # brisk serve's own config checks first: a flag it would refuse fails before any simulation
+    for bs in p.block_sizes:
+        flags = serve_flags(p, bs, bytes_per_token)
+        num_blocks = blocks_of_flags(flags, bytes_per_token, p.max_model_len)
+        engines.append((flags, EngineSimConfig(num_blocks, bs, p.max_num_seqs, p.max_num_batched_tokens,
+                                               p.max_model_len, p.enable_prefix_caching)))
     cfg = SimConfig(p.capacity_tokens, p.max_model_len, p.max_num_seqs, p.max_num_batched_tokens, p.step_s,
-                    p.default_max_tokens)
+                    p.prefill_tps, p.default_max_tokens)
 
     def reserve(s) -> int:
         return s.req.prompt_tokens + s.max_tokens
@@ -74,19 +120,16 @@ def run_strategies(trace: list[TraceRequest], p: PlanInputs) -> list[SimResult]:
         simulate(trace, BucketAllocator(p.capacity_tokens, p.bucket_sizes, p.bucket_shares, p.rebalance_every), cfg,
                  f"buckets + rebalance every {p.rebalance_every} steps", rebalance_every=p.rebalance_every),
     ]
-    shared = any(r.prefix_group is not None for r in trace)
-    for bs in p.block_sizes:
-        results.append(simulate(trace, PagedAllocator(p.capacity_tokens, bs), cfg, f"paged B={bs}"))
-        if shared:
-            results.append(simulate(trace, PagedAllocator(p.capacity_tokens, bs, prefix_sharing=True), cfg,
-                                    f"paged B={bs} + prefix sharing"))
+    cost = StepCost(p.step_s, p.prefill_tps)
+    for flags, engine in engines:
+        result = simulate_engine(trace, engine, cost, f"brisk paged B={engine.block_size}")
+        result.serve_flags = flags
+        results.append(result)
     return results
 
 
 def recommend(results: list[SimResult], p: PlanInputs, shape: ModelShape | None) -> dict:
-    paged = [r for r in results if r.strategy.startswith("paged")]
-    sharing = [r for r in paged if "sharing" in r.strategy]
-    pool = sharing or paged
+    pool = [r for r in results if r.serve_flags]
     best = max(r.mean_running for r in pool)
     close = [r for r in pool if r.mean_running >= 0.99 * best]
 
@@ -100,18 +143,28 @@ def recommend(results: list[SimResult], p: PlanInputs, shape: ModelShape | None)
     # attention kernels are tuned for; fewer, larger blocks also mean smaller block tables.
     least_delay = min(delay(r) for r in close)
     close = [r for r in close if delay(r) <= least_delay * 1.05 + 1e-3]
-    chosen = min(close, key=lambda r: abs(block(r) - 16))
+    chosen = min(close, key=lambda r: (r.num_preemptions, abs(block(r) - 16)))
     bs = block(chosen)
     out = {
-        "block_size": bs, "strategy": chosen.strategy, "num_blocks": p.capacity_tokens // bs,
-        "capacity_tokens": p.capacity_tokens,
+        "block_size": bs, "strategy": chosen.strategy, "num_blocks": chosen.capacity_tokens // bs,
+        "capacity_tokens": chosen.capacity_tokens,
         "expected_concurrency": {"mean": chosen.mean_running, "peak": chosen.peak_running},
         "admission_delay_s": chosen.to_dict()["admission_delay_s"], "preemptions": chosen.num_preemptions,
-        "rejected": chosen.num_rejected,
+        "rejected": chosen.num_rejected, "peak_blocks": max(chosen.used_blocks, default=0),
+        "brisk_serve_flags": chosen.serve_flags,
     }
     if shape is not None:
-        out["memory_bytes"] = p.capacity_tokens * shape.bytes_per_token
-        out["brisk_serve_flags"] = (f"--block-size {bs} --kv-cache-memory "
-                                    f"{p.capacity_tokens * shape.bytes_per_token / 2**30:.2f}GiB "
-                                    f"--max-num-seqs {max(chosen.peak_running, 1)}")
+        out["memory_bytes"] = chosen.capacity_tokens * shape.bytes_per_token
     return out
+
+
+def synthetic_trace(prompt_dist, output_dist, num_requests: int, rate: float, seed: int = 0) -> list[TraceRequest]:
+    """Poisson arrivals at `rate` requests/s with lengths drawn from the two distributions."""
+    import numpy as np
+
+    from brisk.bench.workloads import arrival_offsets
+
+    rng = np.random.default_rng(seed)
+    prompts, outputs = prompt_dist.sample(rng, num_requests), output_dist.sample(rng, num_requests)
+    arrivals = arrival_offsets(num_requests, rate, 1.0, rng)
+    return [TraceRequest(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs)]

@@ -8,7 +8,7 @@ import numpy as np
 
 from brisk.kvplan.fit import LengthFit
 from brisk.kvplan.simulate import SimResult
-from brisk.kvplan.trace import TraceRequest
+from brisk.trace import TraceRequest
 from brisk.plotting import pyplot, save_png
 
 

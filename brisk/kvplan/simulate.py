@@ -1,22 +1,22 @@
-"""Simulate KV-cache admission and memory over a request trace, step by step, for several
-allocation strategies. Pure Python, no torch.
+"""The comparison strategies of `brisk kv-plan`: KV allocators brisk does not use, simulated
+step by step over a request trace. Pure Python, no torch. (brisk's own paged engine is not
+simulated here: engine_sim.py runs its real scheduler and KV manager.)
 
-The engine model is brisk's: time advances in steps (`step_s` seconds each, i.e. the
-generation speed); each step first grows every running request by the token it decodes
-(oldest first; when memory runs out the newest running request is preempted and requeued
-first, to be recomputed), then admits waiting requests FCFS while memory, `max_num_seqs` and
-the step's token budget allow. A request admitted at step s holds its prompt, samples one
-token per step, and is freed at the end of step s + output_tokens - 1 (its last sampled token
-is never written to the cache). Memory is recorded as held during each step (means are over
-all steps); paged block counts also after each step, as the engine's stats report them.
+Time advances in steps of `step_s` seconds (the generation speed) plus the prompt tokens the
+step admits at `prefill_tps`. Each step first grows every running request by the token it
+decodes (oldest first; when memory runs out the newest running request is preempted and
+requeued first, to be recomputed), then admits waiting requests FCFS while memory,
+`max_num_seqs` and the step's token budget allow; a prompt larger than the whole budget is
+admitted alone (these allocators are compared on memory, not on chunked prefill). A request
+admitted at step s holds its prompt, samples one token per step, and is freed at the end of
+step s + output_tokens - 1 (its last sampled token is never written to the cache). Memory is
+recorded as held during each step; means are over all steps.
 
 Strategies differ only in what a request holds:
 - `static`: a contiguous region of max_model_len tokens (a naive static cache);
 - `reserve`: a contiguous region of prompt + max_tokens;
 - `buckets`: a slot in the smallest pool whose slot size fits prompt + max_tokens (the
-  article's bucketed pools), optionally rebalanced every N steps;
-- `paged`: blocks of B tokens allocated as the sequence grows, optionally sharing the full
-  blocks of a common prefix.
+  article's bucketed pools), optionally rebalanced every N steps.
 Contiguous strategies use a first-fit allocator over one address range, so external
 fragmentation (free memory split into holes too small to use) is real, not assumed.
 """
@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from brisk.kvplan.trace import TraceRequest
+from brisk.trace import TraceRequest
 
 
 @dataclass
@@ -38,6 +38,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     step_s: float = 0.05  # seconds per engine step (1 / per-sequence decode speed)
+    prefill_tps: float = math.inf  # prompt tokens prefilled per second: a step takes step_s + prefill / this
     default_max_tokens: int | None = None  # when the trace has no max_tokens: max_model_len - prompt
     max_steps: int = 2_000_000
 
@@ -46,7 +47,7 @@ class SimConfig:
 class _Seq:
     index: int
     req: TraceRequest
-    arrival_step: int
+    arrival_t: float  # seconds (or a step index, with arrival_steps)
     max_tokens: int
     sampled: int = 0  # tokens sampled so far (survives preemption: recomputed, not lost)
     held: int = 0  # tokens with KV slots now
@@ -196,85 +197,6 @@ class BucketAllocator:
             self.num_rebalances += 1
 
 
-# -- paged ------------------------------------------------------------------------------------------
-class PagedAllocator:
-    def __init__(self, capacity: int, block_size: int, prefix_sharing: bool = False):
-        self.block_size = block_size
-        self.num_blocks = capacity // block_size
-        self.prefix_sharing = prefix_sharing
-        self.private_blocks: dict[int, int] = {}
-        self.tokens: dict[int, int] = {}
-        self.group_of: dict[int, str] = {}
-        self.group_blocks: dict[str, int] = {}  # live shared prefix blocks per group
-        self.group_holders: dict[str, int] = {}
-        self._shared_of: dict[int, int] = {}  # seq index -> shared prefix blocks it uses
-
-    def _shared(self, s: _Seq, tokens: int) -> int:
-        if not self.prefix_sharing or s.req.prefix_group is None:
-            return 0
-        # like brisk's prefix cache: full blocks only, and never the block of the last token
-        return min(s.req.prefix_tokens, tokens - 1) // self.block_size
-
-    def _free(self) -> int:
-        return self.num_blocks - sum(self.private_blocks.values()) - sum(self.group_blocks.values())
-
-    def admit(self, s: _Seq, tokens: int) -> bool:
-        shared = self._shared(s, tokens)
-        group = s.req.prefix_group if shared else None
-        new_shared = shared if group is not None and self.group_holders.get(group, 0) == 0 else 0
-        private = math.ceil((tokens - shared * self.block_size) / self.block_size)
-        if new_shared + private > self._free():
-            return False
-        if group is not None:
-            self.group_blocks[group] = max(self.group_blocks.get(group, 0), shared)
-            self.group_holders[group] = self.group_holders.get(group, 0) + 1
-            self.group_of[s.index] = group
-        self.private_blocks[s.index] = private
-        self.tokens[s.index] = tokens
-        self._shared_of[s.index] = shared
-        return True
-
-    def grow(self, s: _Seq, tokens: int) -> bool:
-        shared = self._shared_of[s.index]
-        private = math.ceil((tokens - shared * self.block_size) / self.block_size)
-        extra = private - self.private_blocks[s.index]
-        if extra > self._free():
-            return False
-        self.private_blocks[s.index] = private
-        self.tokens[s.index] = tokens
-        return True
-
-    def release(self, s: _Seq) -> None:
-        if self.private_blocks.pop(s.index, None) is None:
-            return
-        self.tokens.pop(s.index)
-        self._shared_of.pop(s.index, None)
-        group = self.group_of.pop(s.index, None)
-        if group is not None:
-            self.group_holders[group] -= 1
-            if self.group_holders[group] == 0:
-                del self.group_blocks[group]  # now cached-free: reusable, but not held
-
-    def allocated(self) -> int:
-        return (sum(self.private_blocks.values()) + sum(self.group_blocks.values())) * self.block_size
-
-    def used_blocks(self) -> int:
-        return sum(self.private_blocks.values()) + sum(self.group_blocks.values())
-
-    def used(self) -> int:
-        shared = sum(self.group_blocks.values()) * self.block_size
-        return shared + sum(t - self._shared_of[i] * self.block_size for i, t in self.tokens.items())
-
-    def reserved_unused(self) -> int:
-        return 0
-
-    def fits_ignoring_layout(self, s: _Seq) -> bool:
-        return False  # any free block serves any request: no external fragmentation
-
-    def ever_fits(self, s: _Seq) -> bool:
-        return math.ceil((s.req.prompt_tokens + s.req.output_tokens) / self.block_size) <= self.num_blocks
-
-
 # -- the step loop ----------------------------------------------------------------------------------
 @dataclass
 class SimResult:
@@ -295,7 +217,9 @@ class SimResult:
     num_preemptions: int
     admission_delays_s: list[float]
     timeline: dict[str, list[float]] = field(default_factory=dict)  # per step, during it: allocated, used, running
-    used_blocks: list[int] = field(default_factory=list)  # paged only: blocks held after each step
+    used_blocks: list[int] = field(default_factory=list)  # brisk's engine only: blocks held after each step
+    prefix_hit_tokens: int = 0  # brisk's engine only: prompt tokens served from the prefix cache
+    serve_flags: str | None = None  # brisk's engine only: the brisk serve flags simulated
 
     def to_dict(self) -> dict:
         def frac(x):
@@ -314,6 +238,8 @@ class SimResult:
             "finished": self.num_finished, "rejected": self.num_rejected, "preemptions": self.num_preemptions,
             "admission_delay_s": {"mean": sum(delays) / len(delays) if delays else 0.0, "p50": pct(0.5),
                                   "p99": pct(0.99)},
+            **({"brisk_serve_flags": self.serve_flags, "peak_blocks": max(self.used_blocks, default=0),
+                "prefix_hit_tokens": self.prefix_hit_tokens} if self.serve_flags else {}),
         }
 
 
@@ -322,17 +248,21 @@ def simulate(trace: list[TraceRequest], alloc: Allocator, cfg: SimConfig, strate
     seqs = []
     for i, r in enumerate(trace):
         max_tokens = r.max_tokens or cfg.default_max_tokens or max(cfg.max_model_len - r.prompt_tokens, 1)
-        step = arrival_steps[i] if arrival_steps is not None else int(r.arrival_s / cfg.step_s)
-        seqs.append(_Seq(i, r, step, max(max_tokens, r.output_tokens)))
-    pending = deque(sorted(seqs, key=lambda s: (s.arrival_step, s.index)))
+        when = float(arrival_steps[i]) if arrival_steps is not None else r.arrival_s
+        seqs.append(_Seq(i, r, when, max(max_tokens, r.output_tokens)))
+    pending = deque(sorted(seqs, key=lambda s: (s.arrival_t, s.index)))
     waiting: deque[_Seq] = deque()
     running: list[_Seq] = []
     stats = _Accumulator(cfg.capacity_tokens)
     rejected = preemptions = finished = 0
     delays: list[float] = []
-    step = 0
+    step, clock = 0, 0.0
+
+    def now() -> float:  # what arrivals are compared with
+        return float(step) if arrival_steps is not None else clock + 1e-9
+
     while (pending or waiting or running) and step < cfg.max_steps:
-        while pending and pending[0].arrival_step <= step:
+        while pending and pending[0].arrival_t <= now():
             s = pending.popleft()
             if s.req.prompt_tokens + s.req.output_tokens > cfg.max_model_len or not alloc.ever_fits(s):
                 rejected += 1
@@ -342,22 +272,24 @@ def simulate(trace: list[TraceRequest], alloc: Allocator, cfg: SimConfig, strate
             alloc.rebalance(list(waiting))
         preempted = _grow_running(alloc, running, waiting)
         preemptions += preempted
-        budget = cfg.max_num_batched_tokens - len(running)
+        budget = full_budget = cfg.max_num_batched_tokens - len(running)
+        prefilled = 0
         blocked = None  # the queue head, when memory (not seats or budget) kept it waiting
         if not preempted:
             while waiting and len(running) < cfg.max_num_seqs:
                 s = waiting[0]
                 need = s.need_on_admit
-                if need > budget:
-                    break
+                if need > budget and budget < full_budget:
+                    break  # (a prompt over the whole budget is admitted alone: no chunking modelled here)
                 if not alloc.admit(s, need):
                     blocked = s
                     break
                 waiting.popleft()
                 budget -= need
+                prefilled += need
                 s.held = need
                 if s.admitted_step is None:
-                    delays.append((step - s.arrival_step) * cfg.step_s)
+                    delays.append(_delay(s, step, clock, arrival_steps, cfg))
                 s.admitted_step = step
                 running.append(s)
         if not running and blocked is not None and not _retry_after_rebalance(alloc, blocked, waiting, rebalance_every):
@@ -368,7 +300,8 @@ def simulate(trace: list[TraceRequest], alloc: Allocator, cfg: SimConfig, strate
         elif not running and blocked is not None:  # the rebalance made room: admit it now
             s = waiting.popleft()
             s.held = s.need_on_admit
-            delays.append((step - s.arrival_step) * cfg.step_s)
+            prefilled += s.held
+            delays.append(_delay(s, step, clock, arrival_steps, cfg))
             s.admitted_step = step
             running.append(s)
             blocked = None
@@ -383,10 +316,15 @@ def simulate(trace: list[TraceRequest], alloc: Allocator, cfg: SimConfig, strate
             running.remove(s)
             alloc.release(s)
             finished += 1
-        if isinstance(alloc, PagedAllocator):  # after the step, as the engine's stats report it
-            stats.used_blocks.append(alloc.used_blocks())
         step += 1
-    return stats.result(strategy, step, cfg, finished, rejected, preemptions, delays)
+        clock += cfg.step_s + prefilled / cfg.prefill_tps
+    return stats.result(strategy, step, clock / max(step, 1), cfg.capacity_tokens, finished, rejected, preemptions,
+                        delays)
+
+
+def _delay(s: _Seq, step: int, clock: float, arrival_steps, cfg: SimConfig) -> float:
+    """Seconds from arrival to admission (steps × step_s when arrivals are step indices)."""
+    return (step - s.arrival_t) * cfg.step_s if arrival_steps is not None else max(clock - s.arrival_t, 0.0)
 
 
 def _retry_after_rebalance(alloc: Allocator, s: _Seq, waiting, rebalance_every: int | None) -> bool:
@@ -440,9 +378,10 @@ class _Accumulator:
                            ("reserved", reserved), ("external", external), ("running", running)):
             self.sums[key] += value
 
-    def result(self, strategy, steps, cfg, finished, rejected, preemptions, delays) -> SimResult:
+    def result(self, strategy, steps, step_s, capacity_tokens, finished, rejected, preemptions,
+               delays) -> SimResult:
         n = max(self.n, 1)
         m = {k: v / n for k, v in self.sums.items()}
-        return SimResult(strategy, steps, cfg.step_s, cfg.capacity_tokens, self.peak_allocated, m["allocated"],
+        return SimResult(strategy, steps, step_s, capacity_tokens, self.peak_allocated, m["allocated"],
                          m["used"], m["internal"], m["reserved"], m["external"], self.peak_running, m["running"],
                          finished, rejected, preemptions, delays, self.timeline, self.used_blocks)

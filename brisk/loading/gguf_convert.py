@@ -342,10 +342,14 @@ def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
-    with open(path, "wb") as f:
+    from brisk.progress import Progress
+
+    with open(path, "wb") as f, Progress(f"converting {path.parent.name.split(TEMP_MARK)[0].lstrip('.')}: tensors",
+                                         len(plan)) as progress:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, dtype, shape, produce in plan:
+            progress.advance()
             values = np.ascontiguousarray(produce(), dtype=_NUMPY_DTYPES[dtype])
             if values.shape != tuple(shape):
                 raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {values.shape}")

@@ -337,9 +337,11 @@ class _Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.finals: dict[int, RequestOutput] = {}
+        self.generated: dict[int, int] = {}  # tokens streamed so far per choice (the trace of an abort)
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.abort_cause = "client_disconnect"
+        self.arrival_unix = time.time()  # for the trace of a request the engine never finished
 
     async def start(self) -> None:
         """Add every engine request (validation errors surface here, before any response)."""
@@ -386,6 +388,7 @@ class _Run:
             if isinstance(item, BaseException):
                 raise item
             self.state.metrics.generation_tokens.inc(len(item.delta_token_ids))
+            self.generated[index] = self.generated.get(index, 0) + len(item.delta_token_ids)
             if item.finished:
                 remaining -= 1
                 self._finished(index, item)
@@ -455,20 +458,24 @@ class _Run:
             self._log_requests()
 
     def _log_requests(self) -> None:
-        """One JSON line per engine request (brisk kv-plan and brisk bench --trace read these)."""
+        """One trace line per engine request (brisk/trace.py: bench replays it, kv-plan plans from it)."""
+        from brisk.trace import TraceRequest, trace_row
+
         offset = time.time() - time.monotonic()
-        for index, p_index, ids, _ in self.jobs:
+        for index, p_index, ids, params in self.jobs:
             out = self.finals.get(index)
             m = out.metrics if out is not None else {}
             stamps = m.get("timestamps") or {}
-            self.state.request_log.write({
-                "request_id": f"{self.fmt.id}-{index}", "route": self.raw.url.path,
-                "arrival_s": round(stamps["arrival"] + offset, 6) if stamps.get("arrival") else None,
-                "prompt_tokens": len(ids), "output_tokens": len(out.token_ids) if out is not None else None,
-                "cached_prompt_tokens": out.num_cached_prompt_tokens if out is not None else None,
-                "finish_reason": out.finish_reason if out is not None else self.abort_cause,
-                "context_outcome": self.guards[p_index].outcome,
-                **{k: m.get(k) for k in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")}})
+            arrival = stamps["arrival"] + offset if stamps.get("arrival") else self.arrival_unix
+            request = TraceRequest(arrival, len(ids), len(out.token_ids) if out is not None else
+                                   self.generated.get(index, 0),
+                                   params.max_tokens, finish_reason=out.finish_reason if out is not None
+                                   else self.abort_cause)
+            self.state.request_log.write(trace_row(
+                request, request_id=f"{self.fmt.id}-{index}", route=self.raw.url.path,
+                cached_prompt_tokens=out.num_cached_prompt_tokens if out is not None else None,
+                context_outcome=self.guards[p_index].outcome,
+                **{k: m.get(k) for k in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")}))
 
     def _trace(self, unfinished: int) -> None:
         choices = []

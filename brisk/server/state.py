@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from brisk.loading.report import LoadReport
 from brisk.metrics.prometheus import ServerMetrics
 from brisk.server.context_guard import ContextPolicy
+from brisk.errors import BriskError
 from brisk.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class ServerState:
         self.config = config
         self.metrics = ServerMetrics()
         self.tracer = tracer  # None: no tracing work at all
-        self.request_log = RequestLog(config.request_log) if config.request_log else None
+        self.request_log = open_request_log(config.request_log) if config.request_log else None
         self.report = LoadReport()
         self.engine: AsyncLLMEngine | None = None
         self.load_error: str | None = None
@@ -225,20 +226,14 @@ class ServerState:
                                           "drain timeout) before this request finished"))
 
 
-class RequestLog:
-    """Append-only JSONL, line-buffered, so a crash loses at most the line being written."""
+def open_request_log(path: str):
+    """The request log is a trace (brisk/trace.py): bench replays it and kv-plan plans from it."""
+    from brisk.trace import TraceWriter
 
-    def __init__(self, path: str):
-        try:
-            self._file = open(path, "a", buffering=1, encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"--request-log {path}: cannot open for appending ({e.strerror or e})") from None
-
-    def write(self, row: dict) -> None:
-        self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
+    try:
+        return TraceWriter(path)
+    except BriskError as e:
+        raise ValueError(f"--request-log {e}") from None
 
 
 def _version() -> str:

@@ -58,6 +58,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_tokens: dict[str, int] = {}  # tokens whose slots are allocated
+        self.req_num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the prefix cache
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
 
@@ -112,10 +113,16 @@ class KVCacheManager:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.pool.enable_caching:
             return
-        blocks = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
-        for block, block_hash in zip(blocks[:num_full], self._hashes(request)[:num_full]):
-            self.pool.cache(block, block_hash)
+        done = self.req_num_cached_blocks.get(rid, 0)  # blocks before this were registered already
+        if num_full <= done:
+            return
+        hashes = self._hashes(request)
+        for i in range(done, num_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self.req_num_cached_blocks[rid] = num_full
 
     def free(self, request_id: str) -> None:
         """Release every block the request holds (tail first, so its prefix outlives its tail)."""
@@ -123,6 +130,7 @@ class KVCacheManager:
         self.pool.free(list(reversed(blocks)))
         self.req_hashes.pop(request_id, None)
         self.req_num_tokens.pop(request_id, None)
+        self.req_num_cached_blocks.pop(request_id, None)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -133,11 +141,10 @@ class KVCacheManager:
 
     def usage(self) -> KVCacheUsage:
         num_used = self.pool.num_blocks - self.pool.num_free_blocks
-        # Slots filled: count each used block once, with the fill level its holders reach.
-        fill: dict[int, int] = {}
-        for rid, blocks in self.req_blocks.items():
-            n = self.req_num_tokens[rid]
-            for i, block in enumerate(blocks):
-                fill[block.block_id] = max(fill.get(block.block_id, 0), min(self.block_size, n - i * self.block_size))
+        # Slots filled, each used block counted once. A request's blocks hold exactly its tokens
+        # (it has ceil(tokens / block_size) blocks); a block held by k requests is a full, shared
+        # prefix block, counted k times in that sum: subtract the k - 1 extra copies.
+        tokens = sum(self.req_num_tokens[rid] for rid in self.req_blocks)
+        references = sum(len(blocks) for blocks in self.req_blocks.values())
         return KVCacheUsage(self.pool.num_blocks, num_used, self.pool.num_cached_free_blocks,
-                            sum(fill.values()), self.block_size)
+                            tokens - (references - num_used) * self.block_size, self.block_size)
