@@ -20,11 +20,19 @@ PREFILL_S_PER_TOKEN = 0.000005
 
 
 def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_request_delay_s: float = 0.0,
-               buffered: bool = False, serial: bool = False) -> FastAPI:
+               buffered: bool = False, serial: bool = False, accept_overlong: bool = False,
+               compute_bound: bool = False, kv_pressure: bool = False, hang_over: int | None = None) -> FastAPI:
+    """Each flag is one misbehaviour:
+    - truncate_to: keeps only the last N tokens of a prompt, silently, and reports N;
+    - accept_overlong: takes prompts over its advertised window and processes (reports) all of them;
+    - compute_bound: streams share one processor (each token takes longer the more streams run),
+      with vLLM-style /metrics showing an almost empty KV cache and no preemptions;
+    - kv_pressure: /metrics show a full KV cache and preemptions growing with every request;
+    - hang_over: a prompt over N tokens is never answered (a stuck or very slow prefill)."""
     app = FastAPI()
     started = time.monotonic()
     lock = asyncio.Lock()
-    state = {"served": 0}
+    state = {"served": 0, "active": 0, "preemptions": 0}
 
     def loading() -> bool:
         return time.monotonic() - started < cold_start_s
@@ -41,20 +49,36 @@ def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_
     async def ready():
         return busy_503() if loading() else {"status": "ready"}
 
+    if compute_bound or kv_pressure:
+        @app.get("/metrics")
+        async def metrics():
+            usage = 0.95 if kv_pressure else 0.02
+            text = (f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {usage}\n"
+                    f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+                    f"# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total {state['preemptions']}\n")
+            return Response(text, media_type="text/plain; version=0.0.4")
+
     async def generate(prompt_tokens: int, max_tokens: int):
         """Yields (token text) with the simulated timing; serial servers hold a global lock."""
         if serial:
             await lock.acquire()
         try:
+            state["active"] += 1
             if state["served"] == 0 and first_request_delay_s:
                 await asyncio.sleep(first_request_delay_s)
             state["served"] += 1
+            if kv_pressure:
+                state["preemptions"] += 1
+            if hang_over is not None and prompt_tokens > hang_over:
+                await asyncio.sleep(600)
             await asyncio.sleep(0.01 + prompt_tokens * PREFILL_S_PER_TOKEN)
             for i in range(max_tokens):
-                if i:
-                    await asyncio.sleep(TOKEN_DELAY_S)
+                if i:  # shared compute: every running stream slows every token
+                    await asyncio.sleep(0.008 * (1 + 0.7 * (state["active"] - 1)) if compute_bound else
+                                        TOKEN_DELAY_S)
                 yield "tok "
         finally:
+            state["active"] -= 1
             if serial:
                 lock.release()
 
@@ -66,7 +90,7 @@ def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_
         words = sum(len(str(m.get("content", "")).split()) + 4 for m in body["messages"])
         if truncate_to is not None:
             words = min(words, truncate_to)  # silently keep only the end of the prompt
-        elif words >= WINDOW:
+        elif words >= WINDOW and not accept_overlong:
             return JSONResponse({"error": {"message": f"prompt of {words} tokens exceeds {WINDOW}",
                                            "type": "invalid_request_error", "param": "messages",
                                            "code": "context_length_exceeded"}}, status_code=400)

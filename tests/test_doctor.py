@@ -4,6 +4,7 @@ is flagged. Then a quick run against `brisk serve` itself, and the HTML report's
 import base64
 import io
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def run_doctor(url: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "brisk", "doctor", url, "--quick", "--json", str(out),
                            "--cold-wait", "30", *extra], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text())
 
@@ -57,14 +59,22 @@ def statuses(report: dict) -> dict[str, str]:
 HEALTHY = {"network": "ok", "cold_start": "ok", "kv_batching": "ok", "context": "ok"}
 
 
-@pytest.mark.parametrize("flags,area,needle", [
-    ({}, None, None),
-    ({"truncate_to": 256}, "context", "silent truncation"),
-    ({"cold_start_s": 4.0, "first_request_delay_s": 2.5}, "cold_start", "503"),
-    ({"buffered": True}, "network", "buffered"),
-    ({"serial": True}, "kv_batching", "one at a time"),
-], ids=["healthy", "truncates", "cold-start", "buffering-proxy", "serial-queue"])
-def test_each_pathology_and_only_it_is_flagged(tmp_path, flags, area, needle):
+# Each fake misbehaves in one way. The healthy run shows every verdict absent when its cause is;
+# each other run shows its verdict present, and only its own (every other area stays ok). Wording
+# that belongs to another verdict must not appear ("accepts beyond" is not "truncation").
+@pytest.mark.parametrize("flags,area,status,needle,not_needle", [
+    ({}, None, None, None, None),
+    ({"truncate_to": 256}, "context", "problem", "silent truncation", "beyond its advertised window"),
+    ({"accept_overlong": True}, "context", "warning", "accepts prompts beyond its advertised window",
+     "truncation"),
+    ({"cold_start_s": 4.0, "first_request_delay_s": 2.5}, "cold_start", "problem", "503", None),
+    ({"buffered": True}, "network", "problem", "buffered", None),
+    ({"serial": True}, "kv_batching", "problem", "one at a time", "compute-bound"),
+    ({"compute_bound": True}, "kv_batching", "warning", "compute-bound", "KV cache pressure"),
+    ({"kv_pressure": True}, "kv_batching", "warning", "KV cache pressure", "compute-bound"),
+], ids=["healthy", "truncates", "accepts-beyond-window", "cold-start", "buffering-proxy", "serial-queue",
+        "compute-bound", "kv-pressure"])
+def test_each_pathology_and_only_it_is_flagged(tmp_path, flags, area, status, needle, not_needle):
     proc, url = start_fake(**flags)
     try:
         report = run_doctor(url, tmp_path)
@@ -73,22 +83,56 @@ def test_each_pathology_and_only_it_is_flagged(tmp_path, flags, area, needle):
         proc.wait(timeout=10)
     expected = dict(HEALTHY)
     if area is not None:
-        expected[area] = "problem"
+        expected[area] = status
         assert needle in report["findings"][area]["summary"]
-        assert report["findings"][area]["fixes"], "a problem comes with a fix"
+        assert report["findings"][area]["fixes"], "a finding comes with a fix"
+        if not_needle:
+            assert not_needle not in report["findings"][area]["summary"]
     assert statuses(report) == expected, {a: f["summary"] for a, f in report["findings"].items()}
-    assert report["brisk_doctor_schema"] == 1 and report["overall"] == ("problem" if area else "ok")
+    assert report["brisk_doctor_schema"] == 1 and report["overall"] == (status if area else "ok")
+    assert report["duration_s"] <= 60
 
 
-def test_doctor_quick_against_brisk_serve(demo, tmp_path):
+def test_a_probe_that_times_out_is_not_measured_never_ok(tmp_path):
+    """A server that never answers long prompts: the doctor gives up within its budget and says
+    what it could not measure, instead of calling the context fine."""
+    proc, url = start_fake(hang_over=600)
+    try:
+        report = run_doctor(url, tmp_path, "--budget", "20")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    ctx = report["findings"]["context"]
+    assert ctx["status"] == "unknown", ctx
+    assert any("timed out" in m for m in ctx["not_measured"]), ctx["not_measured"]
+    assert report["duration_s"] <= 30  # 20 s of probes, plus start-up and reporting
+    assert report["findings"]["network"]["status"] == "ok"  # short requests were still measured
+
+
+def test_doctor_quick_against_brisk_serve(demo, tmp_path, caplog):
     sample = tmp_path / "sample.txt"
     sample.write_text("大语言模型服务为什么第一个请求总是很慢？我们需要测量每一个阶段的时间。" * 5, encoding="utf-8")
     with serve_engine(make_engine(demo)) as live:
         report = run_doctor(live.url, tmp_path, "--html", str(tmp_path / "report.html"), "--sample-file",
                             str(sample))
-    assert report["model"] == "smollm2-135m-instruct"
+        # a client that gives up (as a doctor probe past its timeout does) is an info line, not an error
+        caplog.set_level(logging.INFO)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(live.url + "/v1/chat/completions", timeout=0.5,
+                       json={"messages": [{"role": "user", "content": "word " * 900}], "max_tokens": 5})
+        deadline = time.monotonic() + 30
+        while not any("client disconnected" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the disconnect was never logged"
+            time.sleep(0.1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert report["model"] == "smollm2-135m-instruct" and report["duration_s"] <= 60
+    # the one warning is the sample text's token cost, which the --sample-file asked about
+    assert statuses(report) == {**HEALTHY, "context": "warning"}, {a: f["summary"] for a, f in
+                                                                   report["findings"].items()}
+    assert report["findings"]["context"]["summary"].startswith("your sample text costs")
     ctx = report["findings"]["context"]["evidence"]
-    assert ctx["window"] == 1024 and ctx["exact_counts"] is True and ctx["overlong_rejected"] is True
+    assert ctx["window"] == 1024 and ctx["exact_counts"] is True and ctx["overlong"] == "rejected"
     assert ctx["truncated_points"] == 0 and ctx["prefill_ms_per_1k_tokens"] > 0
     # Chinese costs this English-centric tokenizer several tokens per character: reported, with the fix
     assert ctx["sample"]["ratio_vs_english"] > 1.5 and ctx["sample"]["tokens"] > ctx["sample"]["chars"]

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from brisk.doctor.budget import Budget
 from brisk.doctor.probe import Prober, Timing, dns_seconds, error_message
 
 OK, WARNING, PROBLEM, UNKNOWN = "ok", "warning", "problem", "unknown"
@@ -49,6 +50,7 @@ class Options:
     sample_file: str | None = None
     cold_wait_s: float = 120.0
     progress: Callable[[str], None] = lambda message: None
+    budget: Budget = field(default_factory=lambda: Budget(600.0))
 
 
 SHORT_CHAT = [{"role": "user", "content": "Reply with one short sentence about the sea."}]
@@ -59,6 +61,18 @@ FILLER = ("the quick brown fox jumps over a lazy dog while rivers run to the sea
 def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def spread(values) -> dict[str, float] | None:
+    """The samples behind a figure: how many, min, median, max (seconds)."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return {"n": len(values), "min": values[0], "median": statistics.median(values), "max": values[-1]}
+
+
+def _failed_probe(t: Timing, what: str) -> str:
+    return f"{what} ({'timed out: ' if t.timed_out else 'failed: '}{t.error or f'HTTP {t.status}'})"
 
 
 # -- cold start ---------------------------------------------------------------------------------
@@ -80,20 +94,32 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
         time.sleep(_retry_delay(retry_after))
     waited = time.perf_counter() - start if loading_seen else 0.0
     still_loading = loading_seen and time.perf_counter() - start >= o.cold_wait_s
-    timings = [p.stream_chat(o.model, SHORT_CHAT, 8) for _ in range(4)]
+    budget = o.budget
+    if loading_seen:  # the wait for a loading server is measured, not charged to the probes' budget
+        budget.start = time.monotonic()
+    timings = []
+    for i in range(1 + (3 if o.quick else 5)):  # the first request, then the steady samples it is judged by
+        if i and budget.remaining() <= 0:
+            budget.skipped.append(f"cold start: steady samples after the {i}th")
+            break
+        timings.append(p.stream_chat(o.model, SHORT_CHAT, 4, timeout_s=budget.timeout()))
     data["first_requests"] = [_timing_row(t) for t in timings]
-    ok = [t for t in timings if t.ok and t.ttft_s is not None]
+    ok = [t for t in timings[1:] if t.ok and t.ttft_s is not None]
     first = timings[0].ttft_s if timings[0].ok else None
-    steady = _median([t.ttft_s for t in ok[1:]])
+    steady_spread = spread([t.ttft_s for t in ok])
+    steady = steady_spread["median"] if steady_spread else None
     penalty = (first - steady) if first is not None and steady is not None else None
     data.update(loading_seen=loading_seen, waited_for_ready_s=waited, retry_after=retry_after,
                 load_phases=list(dict.fromkeys(phases)), first_ttft_s=first, steady_ttft_s=steady,
-                first_request_penalty_s=penalty)
+                steady_ttft_spread_s=steady_spread, first_request_penalty_s=penalty)
     evidence = {k: data[k] for k in ("loading_seen", "waited_for_ready_s", "retry_after", "first_ttft_s",
-                                     "steady_ttft_s", "first_request_penalty_s")}
+                                     "steady_ttft_s", "steady_ttft_spread_s", "first_request_penalty_s")}
     fixes = []
     cold = waited + max(penalty or 0.0, 0.0)
-    slow_first = penalty is not None and penalty > max(1.0, 3 * (steady or 0))
+    # Above noise: the first request must be slower than every steady sample by a clear margin,
+    # not merely slower than their median (one slow sample on a warm server is not a cold start).
+    slow_first = (first is not None and steady_spread is not None and steady_spread["n"] >= 2
+                  and first > steady_spread["max"] + max(1.0, 3 * steady_spread["median"]))
     if still_loading:
         status, summary = PROBLEM, f"still loading after {o.cold_wait_s:.0f} s (503 the whole time)"
     elif loading_seen or slow_first:
@@ -101,19 +127,23 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
         if loading_seen:
             parts.append(f"answered 503 (loading{', phase ' + phases[-1] if phases else ''}) for {waited:.1f} s")
         if slow_first:
-            parts.append(f"first request {first:.2f} s vs {steady:.3f} s steady")
+            parts.append(f"first request {first:.2f} s vs {steady_spread['min']:.3f}–{steady_spread['max']:.3f} s "
+                         f"over {steady_spread['n']} later requests")
         status = PROBLEM if cold >= 2.0 else WARNING
         summary = "cold start: " + "; ".join(parts) + f" — cold penalty {cold:.1f} s"
     else:
-        status, summary = OK, f"warm: first request {first or 0:.3f} s, steady {steady or 0:.3f} s"
+        status, summary = OK, (f"warm: first request {first or 0:.3f} s, then {steady_spread['min']:.3f}–"
+                               f"{steady_spread['max']:.3f} s over {steady_spread['n']} requests"
+                               if steady_spread else "warm")
     if status != OK:
         fixes += ["keep a warm replica, and route traffic only after /ready (or a warm-up request) succeeds",
                   "cache converted/compiled artefacts between restarts (brisk: $BRISK_CACHE; vLLM: compile cache)",
                   "send a warm-up request at start so the first user does not pay for lazy initialisation"]
-    missing = [] if ok else ["steady-state latency (no request succeeded: " +
-                             (timings[0].error or f"HTTP {timings[0].status}") + ")"]
-    if missing:
-        status = worst([status, UNKNOWN])
+    missing = [_failed_probe(t, "cold start request") for t in timings if not t.ok]
+    if not steady_spread or steady_spread["n"] < 2:
+        missing.append("steady-state latency (fewer than two later requests succeeded)")
+    if missing and status == OK:
+        status = UNKNOWN
     return Finding("cold_start", status, summary, evidence, fixes, missing), data
 
 
@@ -139,12 +169,13 @@ def check_network(p: Prober, o: Options, steady_ttft_s: float | None) -> tuple[F
     fresh.client.headers.update(p.client.headers)
     first = fresh.get("/v1/models")
     fresh.close()
-    trivial = [p.get("/v1/models") for _ in range(3)]
-    stream = p.stream_chat(o.model, [{"role": "user", "content": "Count from one to forty in words."}], 48,
-                           {"ignore_eos": True})
+    trivial = [p.get("/v1/models", timeout_s=o.budget.timeout()) for _ in range(5)]
+    stream = p.stream_chat(o.model, [{"role": "user", "content": "Count from one to forty in words."}],
+                           24 if o.quick else 48, {"ignore_eos": True}, timeout_s=o.budget.timeout())
     dns = dns_seconds(p.base_url)
     data = {"dns_s": dns, "connect_s": first.connect_s, "tls_s": first.tls_s, "fresh_ttfb_s": first.ttfb_s,
             "trivial_ttfb_s": _median([t.ttfb_s for t in trivial]),
+            "trivial_ttfb_spread_s": spread([t.ttfb_s for t in trivial if t.ok]),
             "reused_connections": sum(t.reused_connection for t in trivial), "trivial_requests": len(trivial),
             "stream": _timing_row(stream), "steady_ttft_s": steady_ttft_s}
     problems, warnings, fixes, missing = [], [], [], []
@@ -168,9 +199,10 @@ def check_network(p: Prober, o: Options, steady_ttft_s: float | None) -> tuple[F
                             f"{stream.completion_tokens} tokens in {len(stream.chunk_ts)} chunks")
             fixes.append("turn off response buffering in proxies (nginx: proxy_buffering off, or send "
                          "X-Accel-Buffering: no) and make sure the client requests stream=true")
+    elif not stream.ok:
+        missing.append(_failed_probe(stream, "streaming behaviour"))
     else:
-        missing.append("streaming behaviour (the streamed request failed: "
-                       f"{stream.error or 'too few tokens'})")
+        missing.append(f"streaming behaviour (only {stream.completion_tokens} tokens came back; 16 needed)")
     if steady_ttft_s and data["trivial_ttfb_s"] is not None:
         data["server_share_of_ttft"] = max(0.0, 1 - data["trivial_ttfb_s"] / steady_ttft_s)
     status = PROBLEM if problems else WARNING if warnings else OK
@@ -179,7 +211,8 @@ def check_network(p: Prober, o: Options, steady_ttft_s: float | None) -> tuple[F
         f"connect {first.connect_s * 1e3:.1f} ms, streaming token by token")
     if missing and status == OK:
         status = UNKNOWN
-    evidence = {k: data.get(k) for k in ("dns_s", "connect_s", "tls_s", "trivial_ttfb_s", "reused_connections",
+    evidence = {k: data.get(k) for k in ("dns_s", "connect_s", "tls_s", "trivial_ttfb_s", "trivial_ttfb_spread_s",
+                                         "reused_connections",
                                          "ttft_share_of_e2e", "tokens_per_chunk", "server_share_of_ttft")}
     return Finding("network", status, summary, evidence, fixes, missing), data
 
@@ -217,10 +250,13 @@ def _filler(n_words: int, rng: np.random.Generator) -> str:
 
 
 def _chat_of(counter: TokenCounter, target: int, rng, head: str = "", tail: str = "") -> list[dict]:
-    """A one-message chat of about `target` tokens (exactly, within a few tokens, with /tokenize)."""
+    """A one-message chat of about `target` tokens (exactly, within a few tokens, with /tokenize).
+    It opens with a random tag, so no prefix cache (of this run or an earlier one) can serve it:
+    the doctor measures what a new prompt costs."""
+    tag = f"[{rng.integers(1 << 62):x}] "
     words = max(target - 40, 8)
     for _ in range(5):
-        msgs = [{"role": "user", "content": f"{head}{_filler(words, rng)}{tail}"}]
+        msgs = [{"role": "user", "content": f"{tag}{head}{_filler(words, rng)}{tail}"}]
         n = counter.chat(msgs)
         if n is None or abs(n - target) <= 4:
             return msgs
@@ -230,7 +266,8 @@ def _chat_of(counter: TokenCounter, target: int, rng, head: str = "", tail: str 
 
 def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
     o.progress("context: window, prefill cost, truncation")
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng()  # fresh prompts every run (see _chat_of)
+    budget = o.budget
     counter = TokenCounter(p, o.model)
     window = o.max_model_len or _window_from_models(models_body, o.model) or counter.window
     data: dict[str, Any] = {"window": window, "exact_counts": counter.exact, "sweep": []}
@@ -240,23 +277,28 @@ def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
     if window is None:
         missing.append("the context window (pass --max-model-len): no prompt-length sweep")
         return Finding("context", UNKNOWN, "context window unknown", {"window": None}, [], missing), data
-    points = [min(128, window // 8), window // 2, int(window * 0.9)] if o.quick else \
+    targets = sorted({min(128, window // 8), min(512, window // 4), window // 4, window // 2}) if o.quick else \
         sorted({min(128, window // 8), window // 8, window // 4, window // 2, int(window * 0.75), int(window * 0.9)})
-    for target in points:
+    fit = None  # (intercept s, seconds per token) once two points are in
+    for target in targets:
+        estimate = _estimate(data["sweep"], fit, target)
+        if not budget.fits(1.5 * estimate, f"context sweep at {target} tokens"):
+            continue
         msgs = _chat_of(counter, target, rng)
         sent = counter.chat(msgs)
-        t = p.stream_chat(o.model, msgs, 1)
-        row = {"target_tokens": target, "client_tokens": sent, "server_prompt_tokens": t.prompt_tokens,
-               "ttft_s": t.ttft_s, "status": t.status, "error": t.error}
-        data["sweep"].append(row)
+        # Three times the expected time (or the budget): a server slower than that is stuck, not slow
+        t = p.stream_chat(o.model, msgs, 1, timeout_s=min(budget.timeout(), max(3 * estimate, 2.0)))
+        data["sweep"].append({"target_tokens": target, "client_tokens": sent, "server_prompt_tokens": t.prompt_tokens,
+                              "ttft_s": t.ttft_s, "status": t.status, "error": t.error, "timed_out": t.timed_out})
+        if not t.ok:
+            missing.append(_failed_probe(t, f"prefill at {sent or target} tokens"))
+        fit = _prefill_fit(data["sweep"]) or fit
     good = [r for r in data["sweep"] if r["ttft_s"] is not None and r["client_tokens"]]
-    if len(good) >= 2:
-        xs = np.array([r["client_tokens"] for r in good], float)
-        ys = np.array([r["ttft_s"] for r in good], float)
-        slope, intercept = np.polyfit(xs, ys, 1)
-        data.update(prefill_ms_per_1k_tokens=float(slope * 1e6), ttft_intercept_s=float(intercept))
+    if fit is not None and len(good) >= 3:
+        data.update(prefill_ms_per_1k_tokens=float(fit[1] * 1e6), ttft_intercept_s=float(fit[0]),
+                    prefill_points=len(good))
     else:
-        missing.append("prefill cost (fewer than two sweep points succeeded)")
+        missing.append(f"prefill cost ({len(good)} sweep points succeeded; 3 needed for a fit)")
     truncated = [r for r in good if r["server_prompt_tokens"] is not None and r["client_tokens"]
                  and r["server_prompt_tokens"] < r["client_tokens"] * (0.98 if counter.exact else 0.8) - 2]
     if truncated:
@@ -266,16 +308,28 @@ def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
                         "error")
         fixes += ["count tokens before sending (POST /tokenize) and trim history yourself",
                   "make the server reject overlong prompts (brisk: --context-policy reject, the default)"]
-    over = _overlong_probe(p, o, counter, window, rng)
+    over = _overlong_probe(p, o, counter, window, rng, fit)
     data["overlong"] = over
-    if over.get("accepted") and not truncated:
-        sent, seen = over.get("client_tokens"), over.get("server_prompt_tokens")
-        problems.append(f"a prompt of {sent} tokens (window {window}) was accepted"
-                        + (f" and reported as {seen} tokens" if seen else "") + ": the server cuts it silently")
+    verdict = over.get("verdict")
+    if verdict == "cut_silently" and not truncated:
+        problems.append(f"silent truncation: a prompt of {over['client_tokens']} tokens (window {window}) was "
+                        f"accepted and reported as {over['server_prompt_tokens']} tokens: the server cuts it "
+                        "without an error")
         fixes.append("reject or visibly truncate prompts over the window (brisk: --context-policy)")
-    data["needle"] = _needle(p, o, counter, window, rng)
-    if data["needle"].get("control_found") and data["needle"].get("long_found") is False:
-        warnings.append(f"a fact at the start of a {data['needle']['long_tokens']}-token prompt was not "
+    elif verdict == "beyond_window":
+        warnings.append(f"accepts prompts beyond its advertised window: {over['client_tokens']} tokens (window "
+                        f"{window}) were accepted and all {over['server_prompt_tokens']} processed — the advertised "
+                        "window is not the real limit")
+        fixes.append("advertise the real window (vLLM/brisk: --max-model-len) so clients budget against it, or make "
+                     "the server reject prompts over it")
+    elif verdict is None:
+        missing.append(over.get("not_measured") or "prompts over the window")
+    data["needle"] = _needle(p, o, counter, window, rng, fit)
+    needle = data["needle"]
+    if needle.get("not_measured"):
+        missing.append(needle["not_measured"])
+    elif needle.get("control_found") and needle.get("long_found") is False:
+        warnings.append(f"a fact at the start of a {needle['long_tokens']}-token prompt was not "
                         "recalled (it was at short length): check truncation or the model's long-context quality")
         fixes.append("if the token counts agree (no truncation), the model itself loses early context: keep key "
                      "facts near the end of the prompt, summarise old history, or use a model with a longer "
@@ -287,18 +341,42 @@ def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
                             "character of English: budget the window in tokens, not characters")
             fixes.append("size max_tokens and history from token counts (POST /tokenize), never from characters")
     status = PROBLEM if problems else WARNING if warnings else OK
-    slope_text = (f"prefill {data['prefill_ms_per_1k_tokens']:.0f} ms per 1k prompt tokens"
-                  if "prefill_ms_per_1k_tokens" in data else "prefill cost unknown")
+    slope_text = (f"prefill {data['prefill_ms_per_1k_tokens']:.0f} ms per 1k prompt tokens ({len(good)} points)"
+                  if "prefill_ms_per_1k_tokens" in data else "prefill cost not measured")
     summary = "; ".join(problems + warnings) or (
-        f"window {window} tokens honoured ({'overlong prompts rejected' if over.get('rejected') else 'checked'}); "
-        + slope_text)
+        f"window {window} tokens: " + ("overlong prompts rejected" if verdict == "rejected" else
+                                       "over-window behaviour not measured") +
+        f", no truncation up to {max((r['client_tokens'] for r in good), default=0)} tokens; " + slope_text)
     evidence = {"window": window, "exact_counts": counter.exact,
                 "prefill_ms_per_1k_tokens": data.get("prefill_ms_per_1k_tokens"),
-                "truncated_points": len(truncated), "overlong_rejected": over.get("rejected"),
-                "needle": data["needle"], "sample": data.get("sample")}
-    if not good and status == OK:  # nothing of the sweep succeeded: we cannot say it is fine
+                "largest_prompt_measured": max((r["client_tokens"] for r in good), default=None),
+                "truncated_points": len(truncated), "overlong": verdict,
+                "overlong_rejected": verdict == "rejected", "needle": needle, "sample": data.get("sample")}
+    failed = [m for m in missing if "timed out" in m or "failed" in m]
+    if (failed or not good) and status == OK:  # a probe that failed is not evidence that all is well
         status = UNKNOWN
     return Finding("context", status, summary, evidence, list(dict.fromkeys(fixes)), missing), data
+
+
+def _estimate(sweep: list[dict], fit, target: int) -> float:
+    """Expected TTFT of a `target`-token prompt: the linear fit once there is one, else
+    proportional to the one point measured, else 2 s."""
+    if fit is not None:
+        return fit[0] + fit[1] * target
+    good = [r for r in sweep if r["ttft_s"] is not None and r["client_tokens"]]
+    return good[0]["ttft_s"] * max(target / good[0]["client_tokens"], 1.0) if good else 2.0
+
+
+def _prefill_fit(sweep: list[dict]) -> tuple[float, float] | None:
+    good = [r for r in sweep if r["ttft_s"] is not None and r["client_tokens"]]
+    if len(good) < 2:
+        return None
+    xs = np.array([r["client_tokens"] for r in good], float)
+    ys = np.array([r["ttft_s"] for r in good], float)
+    if np.ptp(xs) == 0:
+        return None
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return float(intercept), max(float(slope), 0.0)
 
 
 def _window_from_models(body, model: str) -> int | None:
@@ -313,33 +391,49 @@ def _window_from_models(body, model: str) -> int | None:
     return None
 
 
-def _overlong_probe(p: Prober, o: Options, counter: TokenCounter, window: int, rng) -> dict:
-    msgs = _chat_of(counter, int(window * 1.1) + 16, rng)
+def _overlong_probe(p: Prober, o: Options, counter: TokenCounter, window: int, rng, fit) -> dict:
+    """Send a prompt 10% over the window. Rejected: fine. Accepted and reported shorter than sent:
+    cut silently. Accepted and reported at least as long as sent: accepts beyond its window."""
+    n = int(window * 1.1) + 16
+    estimate = 10.0 if fit is None else 1.5 * (fit[0] + fit[1] * n) + 2.0  # if it is processed in full
+    if not o.budget.fits(min(estimate, 3.0), f"a prompt over the window ({n} tokens)"):
+        return {"not_measured": f"a prompt over the window ({n} tokens): skipped, no time left"}
+    msgs = _chat_of(counter, n, rng)
     sent = counter.chat(msgs)
-    t = p.post_json("/v1/chat/completions", {"model": o.model, "messages": msgs, "max_tokens": 1})
-    out = {"client_tokens": sent, "status": t.status, "server_prompt_tokens": t.prompt_tokens}
-    if t.status == 200:
-        out["accepted"] = True
-    elif t.status in (400, 413, 422):
-        out["rejected"] = True
+    t = p.post_json("/v1/chat/completions", {"model": o.model, "messages": msgs, "max_tokens": 1},
+                    timeout_s=min(o.budget.timeout(), estimate))
+    out: dict[str, Any] = {"client_tokens": sent, "status": t.status, "server_prompt_tokens": t.prompt_tokens}
+    if t.status in (400, 413, 422):
+        out["verdict"] = "rejected"
         out["message"] = error_message(t.body if isinstance(t.body, str) else json.dumps(t.body))
+    elif t.status == 200 and t.prompt_tokens is not None and sent:
+        tolerance = 0.98 if counter.exact else 0.8
+        out["verdict"] = "cut_silently" if t.prompt_tokens < sent * tolerance - 2 else "beyond_window"
+    elif t.status == 200:
+        out["not_measured"] = f"a {sent}-token prompt over the window was accepted, but its token count is unknown"
     else:
-        out["error"] = t.error or f"HTTP {t.status}"
+        out["not_measured"] = _failed_probe(t, f"a prompt over the window ({sent} tokens)")
     return out
 
 
-def _needle(p: Prober, o: Options, counter: TokenCounter, window: int, rng) -> dict:
+def _needle(p: Prober, o: Options, counter: TokenCounter, window: int, rng, fit) -> dict:
     fact = "The secret code is 4721."
     question = " What is the secret code? Answer with the number only."
+    n = int(window * 0.75)
+    estimate = 2.0 + (60.0 if fit is None else 2 * (fit[0] + fit[1] * n))
+    if not o.budget.fits(estimate, f"recall of an early fact at {n} tokens"):
+        return {"not_measured": f"recall of an early fact at {n} tokens: skipped (needs ~{estimate:.0f} s)"}
     short = [{"role": "user", "content": fact + question}]
     control = p.post_json("/v1/chat/completions", {"model": o.model, "messages": short, "max_tokens": 12,
-                                                   "temperature": 0})
+                                                   "temperature": 0}, timeout_s=o.budget.timeout())
     out: dict[str, Any] = {"control_found": _answer_has(control, "4721")}
-    long_msgs = _chat_of(counter, int(window * 0.75), rng, head=fact + " ", tail=question)
+    long_msgs = _chat_of(counter, n, rng, head=fact + " ", tail=question)
     out["long_tokens"] = counter.chat(long_msgs)
     long = p.post_json("/v1/chat/completions", {"model": o.model, "messages": long_msgs, "max_tokens": 12,
-                                                "temperature": 0})
+                                                "temperature": 0}, timeout_s=o.budget.timeout())
     out["long_found"] = _answer_has(long, "4721") if long.ok else None
+    if not long.ok:
+        out["not_measured"] = _failed_probe(long, f"recall of an early fact at {out['long_tokens']} tokens")
     return out
 
 
@@ -433,31 +527,41 @@ def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
     levels = [1]
     while levels[-1] * 2 <= (min(o.max_concurrency, 4) if o.quick else o.max_concurrency):
         levels.append(levels[-1] * 2)
-    before = scrape(p)
-    engine = _engine_of(before)
-    rows = []
+    engine = _engine_of(scrape(p))
+    rows: list[dict] = []
+    budget = o.budget
     counter = 0
+    max_tokens = 16 if o.quick else 24
+    nonce = int(np.random.default_rng().integers(1 << 62))  # fresh prompts every run
     for level in levels:
-        n = max(4, 2 * level)
+        n = 2 * level if level > 1 else 4  # one stream: 4 samples; more: two rounds of the level
+        if rows:  # rounds of the previous level, scaled: the estimate of this level's time
+            prev = rows[-1]
+            estimate = prev["wall_s"] * (n / level) / (prev["requests"] / prev["concurrency"]) * 1.5
+            if not budget.fits(estimate, f"concurrency {level}"):
+                break
         metrics_before = scrape(p) if engine else {}
         prompts = []
         for _ in range(n):
             counter += 1
-            prompts.append([{"role": "user", "content": f"Request {counter}: list {counter % 7 + 3} colours."}])
+            prompts.append([{"role": "user", "content": f"[{nonce:x}-{counter}] List {counter % 7 + 3} colours."}])
         with _Sampler(p, engine) as sampler, ThreadPoolExecutor(max_workers=level) as pool:
             start = time.perf_counter()
-            timings = list(pool.map(lambda m: p.stream_chat(o.model, m, 16 if o.quick else 24, {"ignore_eos": True}),
-                                    prompts))
+            deadline = budget.timeout()
+            timings = list(pool.map(lambda m: p.stream_chat(o.model, m, max_tokens, {"ignore_eos": True},
+                                                            timeout_s=max(deadline - (time.perf_counter() - start),
+                                                                          0.5)), prompts))
             wall = time.perf_counter() - start
         metrics_after = scrape(p) if engine else {}
         ok = [t for t in timings if t.ok and t.ttft_s is not None]
         itls = [b - a for t in ok for a, b in zip(t.chunk_ts, t.chunk_ts[1:])]
         queue = [t.usage["brisk"].get("queue_ms") for t in ok if t.usage and isinstance(t.usage.get("brisk"), dict)]
-        row = {"concurrency": level, "requests": n, "ok": len(ok),
-               "errors": sorted({t.error for t in timings if t.error})[:3],
-               "ttft_p50_s": _median([t.ttft_s for t in ok]),
+        row = {"concurrency": level, "requests": n, "ok": len(ok), "wall_s": wall,
+               "errors": sorted({_failed_probe(t, "request") for t in timings if not t.ok})[:3],
+               "ttft_p50_s": _median([t.ttft_s for t in ok]), "ttft_spread_s": spread([t.ttft_s for t in ok]),
                "ttft_p90_s": float(np.percentile([t.ttft_s for t in ok], 90)) if ok else None,
-               "itl_p50_s": _median(itls), "throughput_tok_s": sum(t.completion_tokens or 0 for t in ok) / wall,
+               "itl_p50_s": _median(itls), "itl_p90_s": float(np.percentile(itls, 90)) if itls else None,
+               "throughput_tok_s": sum(t.completion_tokens or 0 for t in ok) / wall,
                "queue_ms_p50": _median(queue), "max_kv_usage": sampler.max_kv if engine else None,
                "max_waiting": sampler.max_waiting if engine else None}
         _, _, preempt = _ENGINE_METRICS.get(engine, (None, None, None))
@@ -470,47 +574,77 @@ def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
     return _concurrency_finding(rows, engine), data
 
 
+COMPUTE_BOUND_EFFICIENCY = 0.75  # throughput per added stream below this, with KV to spare: compute-bound
+
+
 def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
     base, top = rows[0], rows[-1]
     missing, problems, warnings, fixes = [], [], [], []
+    for r in rows:
+        missing += [f"concurrency {r['concurrency']}: {e}" for e in r["errors"]]
     if base["ttft_p50_s"] is None or top["ttft_p50_s"] is None:
-        errors = base["errors"] or top["errors"]
-        return Finding("kv_batching", UNKNOWN, "requests failed during the ramp: " + "; ".join(errors),
-                       {"levels": rows}, [], ["latency under concurrency"])
-    knee = next((r["concurrency"] for r in rows[1:] if r["ttft_p50_s"] is not None and (
-        r["ttft_p50_s"] > 2 * base["ttft_p50_s"] + 0.05 or
-        (r["itl_p50_s"] or 0) > 2 * (base["itl_p50_s"] or 0) + 0.005)), None)
+        return Finding("kv_batching", UNKNOWN, "requests failed during the ramp", {"levels": rows}, [],
+                       missing or ["latency under concurrency"])
+    if len(rows) < 2:
+        return Finding("kv_batching", UNKNOWN, "only one concurrency level fitted the time budget",
+                       {"levels": rows}, [], missing + ["latency under concurrency (one level only)"])
+
+    def degraded(r: dict) -> bool:
+        """Clearly worse than one stream, beyond every base sample: TTFT over 3× (+0.1 s; several
+        prompts arriving together are prefilled together, so some growth is normal) or ITL over 2×."""
+        ttft = r["ttft_p50_s"] > 3 * base["ttft_p50_s"] + 0.1 and r["ttft_p50_s"] > base["ttft_spread_s"]["max"]
+        itl = (r["itl_p50_s"] is not None and base["itl_p50_s"] is not None
+               and r["itl_p50_s"] > 2 * base["itl_p50_s"] + 0.005 and r["itl_p50_s"] > (base["itl_p90_s"] or 0))
+        return ttft or itl
+
+    knee = next((r["concurrency"] for r in rows[1:] if r["ttft_p50_s"] is not None and degraded(r)), None)
     scaling = top["throughput_tok_s"] / base["throughput_tok_s"] if base["throughput_tok_s"] else 0.0
+    efficiency = scaling / (top["concurrency"] / base["concurrency"])
     evidence = {"levels": [r["concurrency"] for r in rows], "ttft_p50_s": [r["ttft_p50_s"] for r in rows],
+                "ttft_spread_s": [r["ttft_spread_s"] for r in rows],
                 "itl_p50_s": [r["itl_p50_s"] for r in rows], "throughput_tok_s": [r["throughput_tok_s"] for r in rows],
-                "throughput_scaling": scaling, "knee_concurrency": knee, "engine_metrics": engine}
+                "throughput_scaling": scaling, "scaling_efficiency": efficiency, "knee_concurrency": knee,
+                "engine_metrics": engine}
+    preemptions = sum(r.get("preemptions") or 0 for r in rows)
+    max_kv = max((r["max_kv_usage"] or 0) for r in rows) if engine else None
+    kv_pressure = engine is not None and (preemptions > 0 or (max_kv or 0) > 0.9)
     if top["concurrency"] >= 4 and scaling < 1.3 and top["ttft_p50_s"] > 2 * base["ttft_p50_s"] + 0.05:
         problems.append(f"requests are served one at a time: {top['concurrency']} parallel streams give "
                         f"{scaling:.1f}× the throughput of one, and TTFT grows from {base['ttft_p50_s']:.2f} s to "
                         f"{top['ttft_p50_s']:.2f} s (queueing)")
         fixes += ["enable continuous batching / parallel slots (vLLM --max-num-seqs, llama.cpp -np, "
                   "brisk --max-num-seqs)", "scale out replicas behind a load balancer"]
+    elif kv_pressure:
+        warnings.append(f"KV cache pressure: usage up to {max_kv:.0%}, {preemptions:.0f} preemptions")
+        fixes += ["give the KV cache more memory (brisk --kv-cache-memory, vLLM --gpu-memory-utilization)",
+                  "lower --max-num-seqs so admitted requests are not preempted",
+                  "enable prefix caching for shared system prompts"]
     elif knee is not None:
-        warnings.append(f"latency degrades from {knee} concurrent streams (TTFT p50 {base['ttft_p50_s']:.2f} → "
-                        f"{top['ttft_p50_s']:.2f} s, throughput ×{scaling:.1f})")
-        fixes.append("keep concurrency below the knee, or add capacity (KV memory, replicas)")
-    preemptions = sum(r.get("preemptions") or 0 for r in rows)
-    max_kv = max((r["max_kv_usage"] or 0) for r in rows) if engine else None
+        cause = ""
+        if engine is not None and efficiency < COMPUTE_BOUND_EFFICIENCY:
+            cause = (f"compute-bound: KV usage stayed at or below {max_kv:.1%} with {preemptions:.0f} preemptions, "
+                     f"so the processor, not KV memory, limits; ")
+        warnings.append(f"{cause}latency degrades from {knee} concurrent streams (TTFT p50 "
+                        f"{base['ttft_p50_s']:.2f} → {top['ttft_p50_s']:.2f} s, ITL p50 "
+                        f"{(base['itl_p50_s'] or 0) * 1e3:.0f} → {(top['itl_p50_s'] or 0) * 1e3:.0f} ms, throughput "
+                        f"×{scaling:.1f} for ×{top['concurrency'] // base['concurrency']} streams)")
+        fixes.append("add compute (replicas, a faster device, a smaller or quantized model)" if cause else
+                     "keep concurrency below the knee, or add capacity (KV memory, replicas)")
     if engine is None:
         missing.append("server-side KV usage and queue depth (no brisk/vLLM/SGLang/llama.cpp /metrics)")
     else:
         evidence.update(max_kv_usage=max_kv, preemptions=preemptions,
                         max_waiting=max((r["max_waiting"] or 0) for r in rows))
-        if preemptions > 0 or (max_kv or 0) > 0.9:
-            warnings.append(f"KV cache pressure: usage up to {max_kv:.0%}, {preemptions:.0f} preemptions")
-            fixes += ["give the KV cache more memory (brisk --kv-cache-memory, vLLM --gpu-memory-utilization)",
-                      "lower --max-num-seqs so admitted requests are not preempted",
-                      "enable prefix caching for shared system prompts"]
     queue = top.get("queue_ms_p50")
     if queue is not None and top["ttft_p50_s"]:
         evidence["queue_share_of_ttft"] = queue / 1e3 / top["ttft_p50_s"]
     status = PROBLEM if problems else WARNING if warnings else OK
+    bound = ""
+    if engine is not None and not kv_pressure and efficiency < COMPUTE_BOUND_EFFICIENCY:
+        bound = f"; compute-bound (KV usage ≤ {max_kv:.1%}, {preemptions:.0f} preemptions)"
     summary = "; ".join(problems + warnings) or (
         f"scales to {top['concurrency']} streams: throughput ×{scaling:.1f}, TTFT p50 {base['ttft_p50_s']:.2f} → "
-        f"{top['ttft_p50_s']:.2f} s")
+        f"{top['ttft_p50_s']:.2f} s" + bound)
+    if any(r["errors"] for r in rows) and status == OK:
+        status = UNKNOWN
     return Finding("kv_batching", status, summary, evidence, list(dict.fromkeys(fixes)), missing)

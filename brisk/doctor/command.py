@@ -15,9 +15,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from brisk.doctor import checks
+    from brisk.doctor.budget import Budget
     from brisk.doctor.probe import Prober, require_openai
     from brisk.doctor.report import console_report, to_json, write_html
 
+    if args.budget is not None and args.budget <= 0:
+        raise BriskError(f"--budget must be > 0 seconds, got {args.budget}")
     if args.max_concurrency < 1:
         raise BriskError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     console = Console(stderr=True)
@@ -31,23 +34,32 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         model = args.model or (ids[0] if ids else None)
         if model is None:
             raise BriskError(f"{args.url} lists no model; pass --model")
+        total = Budget(args.budget if args.budget is not None else (60.0 if args.quick else 600.0) - 4.0)
         options = checks.Options(model=model, quick=args.quick, max_concurrency=args.max_concurrency,
                                  max_model_len=args.max_model_len, sample_file=args.sample_file,
                                  cold_wait_s=args.cold_wait,
                                  progress=lambda message: console.print(f"[dim]… {message}[/]"))
-        findings, measurements = [], {}
-        cold, measurements["cold_start"] = _guarded("cold_start", checks.check_cold_start, prober, options)
-        findings.append(cold)
+        measurements = {}
+
+        def run(area, check, share, *extra):
+            options.budget = total.share(share)
+            return _guarded(area, check, prober, options, *extra)
+
+        cold, measurements["cold_start"] = run("cold_start", checks.check_cold_start, 0.15)
+        total.start = time.monotonic() if cold.evidence.get("loading_seen") else total.start  # waiting: not ours
         steady = measurements["cold_start"].get("steady_ttft_s")
-        network, measurements["network"] = _guarded("network", checks.check_network, prober, options, steady)
-        context, measurements["context"] = _guarded("context", checks.check_context, prober, options, body)
-        batching, measurements["concurrency"] = _guarded("kv_batching", checks.check_concurrency, prober, options)
+        network, measurements["network"] = run("network", checks.check_network, 0.1, steady)
+        context, measurements["context"] = run("context", checks.check_context, 0.4, body)
+        batching, measurements["concurrency"] = run("kv_batching", checks.check_concurrency, 0.35)
         findings = [network, cold, batching, context]
     finally:
         prober.close()
     report = to_json(args.url, model, started, time.perf_counter() - t0, findings, measurements)
+    report["budget_s"], report["skipped"] = total.total_s, total.skipped
     out.print(console_report(args.url, model, findings))
-    out.print(f"overall: {report['overall']}")
+    for item in total.skipped:
+        out.print(f"skipped (time budget): {item}")
+    out.print(f"overall: {report['overall']} ({report['duration_s']:.0f} s)")
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1, default=str)

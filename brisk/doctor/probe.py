@@ -32,6 +32,7 @@ class Timing:
     headers: dict[str, str] = field(default_factory=dict)
     body: Any = None
     error: str | None = None
+    timed_out: bool = False
 
     @property
     def ok(self) -> bool:
@@ -83,11 +84,12 @@ class Prober:
 
         return hook
 
-    def get(self, path: str) -> Timing:
+    def get(self, path: str, timeout_s: float | None = None) -> Timing:
         timing = Timing()
         start = time.perf_counter()
         try:
-            resp = self.client.get(path, extensions={"trace": self._trace(timing, start)})
+            resp = self.client.get(path, extensions={"trace": self._trace(timing, start)},
+                                   **_timeout(timeout_s))
             timing.status, timing.e2e_s = resp.status_code, time.perf_counter() - start
             timing.headers = dict(resp.headers)
             try:
@@ -95,14 +97,15 @@ class Prober:
             except ValueError:
                 timing.body = resp.text
         except httpx.HTTPError as e:
-            timing.error = describe(e, self.base_url)
+            _failed(timing, e, self.base_url)
         return timing
 
-    def post_json(self, path: str, body: dict) -> Timing:
+    def post_json(self, path: str, body: dict, timeout_s: float | None = None) -> Timing:
         timing = Timing()
         start = time.perf_counter()
         try:
-            resp = self.client.post(path, json=body, extensions={"trace": self._trace(timing, start)})
+            resp = self.client.post(path, json=body, extensions={"trace": self._trace(timing, start)},
+                                    **_timeout(timeout_s))
             timing.status, timing.e2e_s = resp.status_code, time.perf_counter() - start
             timing.headers = dict(resp.headers)
             try:
@@ -112,17 +115,19 @@ class Prober:
             if isinstance(timing.body, dict):
                 timing.usage = timing.body.get("usage")
         except httpx.HTTPError as e:
-            timing.error = describe(e, self.base_url)
+            _failed(timing, e, self.base_url)
         return timing
 
-    def stream_chat(self, model: str, messages: list[dict], max_tokens: int, extra: dict | None = None) -> Timing:
-        """A streamed chat completion with usage; chunk arrival times relative to the send."""
+    def stream_chat(self, model: str, messages: list[dict], max_tokens: int, extra: dict | None = None,
+                    timeout_s: float | None = None) -> Timing:
+        """A streamed chat completion with usage; chunk arrival times relative to the send. With
+        `timeout_s`, the whole response must arrive within it (else timed_out, and we hang up)."""
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0, **(extra or {})}
         timing = Timing()
         start = time.perf_counter()
         try:
-            with self.client.stream("POST", "/v1/chat/completions", json=body,
+            with self.client.stream("POST", "/v1/chat/completions", json=body, **_timeout(timeout_s),
                                     extensions={"trace": self._trace(timing, start)}) as resp:
                 timing.status = resp.status_code
                 timing.headers = dict(resp.headers)
@@ -140,11 +145,17 @@ class Prober:
                     self._chunk(timing, json.loads(data), time.perf_counter() - start)
                     if timing.error:
                         break
+                    if timeout_s is not None and time.perf_counter() - start > timeout_s:
+                        timing.timed_out = True
+                        timing.error = f"no complete answer within {timeout_s:.1f} s"
+                        break
             timing.e2e_s = time.perf_counter() - start
             if timing.chunk_ts:
                 timing.ttft_s = timing.chunk_ts[0]
-        except (httpx.HTTPError, json.JSONDecodeError) as e:
-            timing.error = describe(e, self.base_url) if isinstance(e, httpx.HTTPError) else f"bad stream: {e}"
+        except httpx.HTTPError as e:
+            _failed(timing, e, self.base_url)
+        except json.JSONDecodeError as e:
+            timing.error = f"bad stream: {e}"
         return timing
 
     @staticmethod
@@ -158,6 +169,15 @@ class Prober:
             timing.text += text
         if usage:
             timing.usage = usage
+
+
+def _timeout(timeout_s: float | None) -> dict:
+    return {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))}
+
+
+def _failed(timing: Timing, e: httpx.HTTPError, url: str) -> None:
+    timing.error = describe(e, url)
+    timing.timed_out = isinstance(e, httpx.TimeoutException)
 
 
 def describe(e: httpx.HTTPError, url: str) -> str:

@@ -1,0 +1,32 @@
+"""The doctor's time budget: every probe runs under what is left of it, and what did not fit is
+listed as skipped, never silently dropped and never reported as fine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Budget:
+    total_s: float
+    start: float = field(default_factory=time.monotonic)
+    skipped: list[str] = field(default_factory=list)
+
+    def remaining(self) -> float:
+        return self.total_s - (time.monotonic() - self.start)
+
+    def share(self, fraction: float) -> "Budget":
+        """A budget for one check: `fraction` of the total, never more than what is left."""
+        return Budget(max(min(self.total_s * fraction, self.remaining()), 0.0), skipped=self.skipped)
+
+    def fits(self, estimate_s: float, what: str) -> bool:
+        """Whether a probe estimated at `estimate_s` fits; if not, it is recorded as skipped."""
+        if estimate_s <= self.remaining():
+            return True
+        self.skipped.append(f"{what} (needs ~{estimate_s:.0f} s, {max(self.remaining(), 0):.0f} s left)")
+        return False
+
+    def timeout(self, floor_s: float = 0.5) -> float:
+        """Timeout for the next request: what is left, at least `floor_s`."""
+        return max(self.remaining(), floor_s)
