@@ -128,8 +128,8 @@ def test_doctor_quick_against_brisk_serve(demo, tmp_path, caplog):
         [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert report["model"] == "smollm2-135m-instruct" and report["duration_s"] <= 60
     # the one warning is the sample text's token cost, which the --sample-file asked about
-    assert statuses(report) == {**HEALTHY, "context": "warning"}, {a: f["summary"] for a, f in
-                                                                   report["findings"].items()}
+    assert statuses(report) == {**HEALTHY, "context": "warning"}, (
+        report["findings"]["kv_batching"]["summary"], report["measurements"]["concurrency"])
     assert report["findings"]["context"]["summary"].startswith("your sample text costs")
     ctx = report["findings"]["context"]["evidence"]
     assert ctx["window"] == 1024 and ctx["exact_counts"] is True and ctx["overlong"] == "rejected"

@@ -15,6 +15,7 @@ from brisk.bench.metrics import SLO, summarize
 from brisk.bench.report import RunResult, console_table, write_csv, write_json, write_plots
 from brisk.bench import workloads as wl
 from brisk.errors import BriskError
+from brisk.fileio import output_path
 
 
 def parse_goodput(items: list[str] | None) -> SLO | None:
@@ -168,6 +169,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise BriskError(f"--repeat must be >= 1, got {args.repeat}")
     slo = parse_goodput(args.goodput)
+    for flag, path in (("--json", args.json_path), ("--csv", args.csv)):  # before the run, not after it
+        if path is not None:
+            output_path(path, flag)
     server = Server(args.url, args.api_key or os.environ.get("OPENAI_API_KEY"))
     model = server.model(args.model)
     runs = _runs(args)

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from brisk.fileio import output_dir, output_path, write_output
 from brisk.bench.metrics import RequestRecord, Summary
-from brisk.plotting import pyplot, save_png
+from brisk.plotting import integer_ticks, legend_below, pyplot, save_png
 
 SCHEMA_VERSION = 1
 LAG_WARNING_MS = 20.0
@@ -81,8 +82,7 @@ def write_json(path: Path, meta: dict[str, Any], results: list[RunResult], resul
     if result_format == "vllm":
         return write_vllm(Path(path), meta, results)
     doc = {"brisk_bench_schema": SCHEMA_VERSION, **meta, "runs": [r.to_dict() for r in results]}
-    Path(path).write_text(json.dumps(doc, indent=1, default=float) + "\n", encoding="utf-8")
-    return [Path(path)]
+    return [write_output(path, json.dumps(doc, indent=1, default=float) + "\n", "--json")]
 
 
 # The keys of `vllm bench serve --save-result` (vLLM main, vllm/benchmarks/serve.py, late 2026), in
@@ -148,8 +148,7 @@ def write_vllm(path: Path, meta: dict[str, Any], results: list[RunResult]) -> li
     written = []
     for r in results:
         target = path if len(results) == 1 else path.with_name(f"{path.stem}-{_slug(r.label)}{path.suffix}")
-        target.write_text(json.dumps(vllm_result(meta, r), indent=1) + "\n", encoding="utf-8")
-        written.append(target)
+        written.append(write_output(target, json.dumps(vllm_result(meta, r), indent=1) + "\n", "--json"))
     return written
 
 
@@ -165,7 +164,7 @@ CSV_COLUMNS = ("label", "completed", "failed", "duration", "total_input_tokens",
 
 
 def write_csv(path: Path, results: list[RunResult]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with open(output_path(path, "--csv"), "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for r in results:
@@ -175,10 +174,9 @@ def write_csv(path: Path, results: list[RunResult]) -> None:
 def write_plots(directory: Path, results: list[RunResult]) -> list[Path]:
     plt = pyplot()
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = output_dir(directory, "--plot")
     written = []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     for r in results:
         ok = [x for x in r.records if x.ok]
         series = {"TTFT": [x.ttft_s for x in ok if x.ttft_s is not None],
@@ -187,28 +185,35 @@ def write_plots(directory: Path, results: list[RunResult]) -> list[Path]:
         for ax, (name, values) in zip(axes, series.items()):
             if values:
                 v = np.sort(np.asarray(values) * 1e3)
-                ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=r.label)
-            ax.set_title(f"{name} CDF")
-            ax.set_xlabel("ms")
-            ax.set_ylabel("fraction of requests" if name != "inter-token latency" else "fraction of gaps")
-            ax.grid(alpha=0.3)
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+                frac = np.arange(1, len(v) + 1) / len(v)
+                ax.step(np.concatenate([[v[0]], v]), np.concatenate([[0.0], frac]), where="post", label=r.label)
+    for ax, name in zip(axes, ("TTFT", "inter-token latency", "end-to-end latency")):
+        ax.set_title(f"{name} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of gaps" if name == "inter-token latency" else "fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    legend_below(fig, axes)
     written.append(save_png(fig, directory / "latency_cdf.png"))
     swept = [r for r in results if r.value is not None]
-    if len(swept) > 1:
-        fig, ax1 = plt.subplots(figsize=(7, 4.2))
+    if len({r.value for r in swept}) > 1:
+        fig, ax1 = plt.subplots(figsize=(7, 4.6))
         xs = [r.value for r in swept]
-        ax1.plot(xs, [r.summary.output_throughput for r in swept], "o-", label="output tok/s")
-        ax1.set_xlabel(swept[0].knob)
+        ax1.plot(xs, [r.summary.output_throughput for r in swept], "o-", label="output tokens/s (left)")
+        ax1.set_xlabel(swept[0].knob + (" (requests/s)" if swept[0].knob == "rate" else " (streams)"))
         ax1.set_ylabel("output tokens/s")
+        ax1.set_ylim(bottom=0)
         ax2 = ax1.twinx()
-        ax2.plot(xs, [r.summary.ttft.p99 * 1e3 if r.summary.ttft else np.nan for r in swept], "s--", color="C3",
-                 label="TTFT p99 (ms)")
-        ax2.set_ylabel("TTFT p99 (ms)")
+        ax2.plot(xs, [r.summary.ttft.median * 1e3 if r.summary.ttft else np.nan for r in swept], "s--", color="C3",
+                 label="TTFT p50, ms (right)")
+        ax2.plot(xs, [r.summary.ttft.p99 * 1e3 if r.summary.ttft else np.nan for r in swept], "^:", color="C1",
+                 label="TTFT p99, ms (right)")
+        ax2.set_ylabel("TTFT (ms)")
+        ax2.set_ylim(bottom=0)
+        if swept[0].knob == "concurrency":
+            integer_ticks(ax1, xs)
         ax1.set_title(f"throughput and TTFT vs {swept[0].knob}")
         ax1.grid(alpha=0.3)
-        fig.legend(loc="upper left")
+        legend_below(fig, [ax1, ax2], ncol=3)
         written.append(save_png(fig, directory / f"throughput_vs_{swept[0].knob}.png"))
     return written

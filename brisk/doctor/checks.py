@@ -219,20 +219,41 @@ def check_network(p: Prober, o: Options, steady_ttft_s: float | None) -> tuple[F
 
 # -- context ------------------------------------------------------------------------------------------
 class TokenCounter:
-    """Counts with the endpoint's /tokenize (exact, after the chat template) when offered,
-    else approximately (one filler word ~ one token)."""
+    """Counts with the endpoint's own tokenizer when it offers one — brisk's and vLLM's /tokenize
+    (after the chat template), or llama.cpp's /apply-template + /tokenize — else approximately
+    (one filler word ~ one token)."""
 
     def __init__(self, p: Prober, model: str):
         self.p, self.model = p, model
         probe = p.post_json("/tokenize", {"model": model, "messages": SHORT_CHAT})
-        self.exact = probe.ok and isinstance(probe.body, dict) and "count" in probe.body
-        self.window = probe.body.get("max_model_len") if self.exact else None
+        self.style = "openai" if probe.ok and isinstance(probe.body, dict) and "count" in probe.body else None
+        self.window = probe.body.get("max_model_len") if self.style else None
+        if self.style is None and self._llamacpp_chat(SHORT_CHAT) is not None:
+            self.style = "llamacpp"
+        self.exact = self.style is not None
+
+    def _llamacpp_chat(self, messages: list[dict]) -> int | None:
+        t = self.p.post_json("/apply-template", {"messages": messages})
+        prompt = t.body.get("prompt") if t.ok and isinstance(t.body, dict) else None
+        if not isinstance(prompt, str):
+            return None
+        tokens = self._llamacpp_tokens(prompt, special=True)
+        return None if tokens is None else len(tokens)
+
+    def _llamacpp_tokens(self, text: str, special: bool = False):
+        r = self.p.post_json("/tokenize", {"content": text, "add_special": special, "parse_special": special})
+        tokens = r.body.get("tokens") if r.ok and isinstance(r.body, dict) else None
+        return tokens if isinstance(tokens, list) else None
 
     def _tokens_of(self, text: str):
+        if self.style == "llamacpp":
+            return self._llamacpp_tokens(text)
         r = self.p.post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
         return r.body.get("tokens") if r.ok and isinstance(r.body, dict) else None
 
     def chat(self, messages: list[dict]) -> int | None:
+        if self.style == "llamacpp":
+            return self._llamacpp_chat(messages)
         if not self.exact:
             return sum(len(m["content"].split()) for m in messages) + 8 * len(messages)
         r = self.p.post_json("/tokenize", {"model": self.model, "messages": messages})
@@ -269,7 +290,7 @@ def check_context(p: Prober, o: Options, models_body) -> tuple[Finding, dict]:
     rng = np.random.default_rng()  # fresh prompts every run (see _chat_of)
     budget = o.budget
     counter = TokenCounter(p, o.model)
-    window = o.max_model_len or _window_from_models(models_body, o.model) or counter.window
+    window = o.max_model_len or _window_from_models(models_body, o.model) or counter.window or _window_from_props(p)
     data: dict[str, Any] = {"window": window, "exact_counts": counter.exact, "sweep": []}
     missing, problems, warnings, fixes = [], [], [], []
     if not counter.exact:
@@ -391,6 +412,16 @@ def _window_from_models(body, model: str) -> int | None:
     return None
 
 
+def _window_from_props(p: Prober) -> int | None:
+    """llama.cpp's server: GET /props has the context of one slot (what one request may use)."""
+    t = p.get("/props", timeout_s=5)
+    try:
+        n = t.body["default_generation_settings"]["n_ctx"]
+    except (KeyError, TypeError):
+        return None
+    return n if t.ok and isinstance(n, int) and n > 0 else None
+
+
 def _overlong_probe(p: Prober, o: Options, counter: TokenCounter, window: int, rng, fit) -> dict:
     """Send a prompt 10% over the window. Rejected: fine. Accepted and reported shorter than sent:
     cut silently. Accepted and reported at least as long as sent: accepts beyond its window."""
@@ -500,7 +531,7 @@ class _Sampler:
 
     def __init__(self, p: Prober, engine: str | None):
         self.p, self.engine = p, engine
-        self.max_kv, self.max_waiting = 0.0, 0.0
+        self.max_kv, self.max_waiting = None, None  # None: the server does not export the gauge
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -508,8 +539,10 @@ class _Sampler:
         kv, waiting, _ = _ENGINE_METRICS[self.engine]
         while not self._stop.wait(0.25):
             m = scrape(self.p)
-            self.max_kv = max(self.max_kv, m.get(kv, 0.0))
-            self.max_waiting = max(self.max_waiting, m.get(waiting, 0.0))
+            if kv in m:
+                self.max_kv = max(self.max_kv or 0.0, m[kv])
+            if waiting in m:
+                self.max_waiting = max(self.max_waiting or 0.0, m[waiting])
 
     def __enter__(self):
         if self.engine:
@@ -565,8 +598,9 @@ def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
                "queue_ms_p50": _median(queue), "max_kv_usage": sampler.max_kv if engine else None,
                "max_waiting": sampler.max_waiting if engine else None}
         _, _, preempt = _ENGINE_METRICS.get(engine, (None, None, None))
-        if preempt:
-            row["preemptions"] = metrics_after.get(preempt, 0.0) - metrics_before.get(preempt, 0.0)
+        row["preemptions"] = None  # not exported
+        if preempt and preempt in metrics_after:
+            row["preemptions"] = metrics_after[preempt] - metrics_before.get(preempt, 0.0)
         rows.append(row)
         o.progress(f"concurrency {level}: TTFT p50 {row['ttft_p50_s'] or 0:.3f} s, "
                    f"{row['throughput_tok_s']:.1f} tok/s")
@@ -574,6 +608,7 @@ def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
     return _concurrency_finding(rows, engine), data
 
 
+SATURATED_GAIN = 1.25  # a level adding less throughput than this over the one before is saturated
 COMPUTE_BOUND_EFFICIENCY = 0.75  # throughput per added stream below this, with KV to spare: compute-bound
 
 
@@ -597,7 +632,11 @@ def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
                and r["itl_p50_s"] > 2 * base["itl_p50_s"] + 0.005 and r["itl_p50_s"] > (base["itl_p90_s"] or 0))
         return ttft or itl
 
-    knee = next((r["concurrency"] for r in rows[1:] if r["ttft_p50_s"] is not None and degraded(r)), None)
+    # The knee: the first level where more streams add little throughput (under 25% over the level
+    # before) while latency is clearly worse. Latency growing while throughput grows is batching
+    # working, not a limit (and too close to noise to be a stable verdict).
+    knee = next((r["concurrency"] for prev, r in zip(rows, rows[1:]) if r["ttft_p50_s"] is not None and degraded(r)
+                 and r["throughput_tok_s"] < SATURATED_GAIN * prev["throughput_tok_s"]), None)
     scaling = top["throughput_tok_s"] / base["throughput_tok_s"] if base["throughput_tok_s"] else 0.0
     efficiency = scaling / (top["concurrency"] / base["concurrency"])
     evidence = {"levels": [r["concurrency"] for r in rows], "ttft_p50_s": [r["ttft_p50_s"] for r in rows],
@@ -605,9 +644,13 @@ def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
                 "itl_p50_s": [r["itl_p50_s"] for r in rows], "throughput_tok_s": [r["throughput_tok_s"] for r in rows],
                 "throughput_scaling": scaling, "scaling_efficiency": efficiency, "knee_concurrency": knee,
                 "engine_metrics": engine}
-    preemptions = sum(r.get("preemptions") or 0 for r in rows)
-    max_kv = max((r["max_kv_usage"] or 0) for r in rows) if engine else None
-    kv_pressure = engine is not None and (preemptions > 0 or (max_kv or 0) > 0.9)
+    counted = [r["preemptions"] for r in rows if r.get("preemptions") is not None]
+    preemptions = sum(counted) if counted else None  # None: the server does not count them
+    gauges = [r["max_kv_usage"] for r in rows if r.get("max_kv_usage") is not None]
+    max_kv = max(gauges) if gauges else None
+    kv_pressure = (preemptions or 0) > 0 or (max_kv or 0) > 0.9
+    # "compute-bound" needs the evidence: KV usage low (exported) and no preemptions counted
+    kv_idle = max_kv is not None and max_kv < 0.5 and not preemptions
     if top["concurrency"] >= 4 and scaling < 1.3 and top["ttft_p50_s"] > 2 * base["ttft_p50_s"] + 0.05:
         problems.append(f"requests are served one at a time: {top['concurrency']} parallel streams give "
                         f"{scaling:.1f}× the throughput of one, and TTFT grows from {base['ttft_p50_s']:.2f} s to "
@@ -615,15 +658,18 @@ def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
         fixes += ["enable continuous batching / parallel slots (vLLM --max-num-seqs, llama.cpp -np, "
                   "brisk --max-num-seqs)", "scale out replicas behind a load balancer"]
     elif kv_pressure:
-        warnings.append(f"KV cache pressure: usage up to {max_kv:.0%}, {preemptions:.0f} preemptions")
+        warnings.append("KV cache pressure: " + ", ".join(
+            x for x in (f"usage up to {max_kv:.0%}" if max_kv is not None else "",
+                        f"{preemptions:.0f} preemptions" if preemptions is not None else "") if x))
         fixes += ["give the KV cache more memory (brisk --kv-cache-memory, vLLM --gpu-memory-utilization)",
                   "lower --max-num-seqs so admitted requests are not preempted",
                   "enable prefix caching for shared system prompts"]
     elif knee is not None:
         cause = ""
-        if engine is not None and efficiency < COMPUTE_BOUND_EFFICIENCY:
-            cause = (f"compute-bound: KV usage stayed at or below {max_kv:.1%} with {preemptions:.0f} preemptions, "
-                     f"so the processor, not KV memory, limits; ")
+        if kv_idle and efficiency < COMPUTE_BOUND_EFFICIENCY:
+            cause = (f"compute-bound: KV usage stayed at or below {max_kv:.1%}"
+                     + (f" with {preemptions:.0f} preemptions" if preemptions is not None else "")
+                     + ", so the processor, not KV memory, limits; ")
         warnings.append(f"{cause}latency degrades from {knee} concurrent streams (TTFT p50 "
                         f"{base['ttft_p50_s']:.2f} → {top['ttft_p50_s']:.2f} s, ITL p50 "
                         f"{(base['itl_p50_s'] or 0) * 1e3:.0f} → {(top['itl_p50_s'] or 0) * 1e3:.0f} ms, throughput "
@@ -633,15 +679,20 @@ def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
     if engine is None:
         missing.append("server-side KV usage and queue depth (no brisk/vLLM/SGLang/llama.cpp /metrics)")
     else:
-        evidence.update(max_kv_usage=max_kv, preemptions=preemptions,
-                        max_waiting=max((r["max_waiting"] or 0) for r in rows))
+        waiting = [r["max_waiting"] for r in rows if r.get("max_waiting") is not None]
+        evidence.update(max_kv_usage=max_kv, preemptions=preemptions, max_waiting=max(waiting) if waiting else None)
+        if max_kv is None:
+            missing.append(f"KV cache usage ({engine}'s /metrics has no KV usage gauge)")
+        if preemptions is None:
+            missing.append(f"preemptions ({engine}'s /metrics does not count them)")
     queue = top.get("queue_ms_p50")
     if queue is not None and top["ttft_p50_s"]:
         evidence["queue_share_of_ttft"] = queue / 1e3 / top["ttft_p50_s"]
     status = PROBLEM if problems else WARNING if warnings else OK
     bound = ""
-    if engine is not None and not kv_pressure and efficiency < COMPUTE_BOUND_EFFICIENCY:
-        bound = f"; compute-bound (KV usage ≤ {max_kv:.1%}, {preemptions:.0f} preemptions)"
+    if kv_idle and not kv_pressure and efficiency < COMPUTE_BOUND_EFFICIENCY:
+        bound = (f"; compute-bound (KV usage ≤ {max_kv:.1%}"
+                 + (f", {preemptions:.0f} preemptions" if preemptions is not None else "") + ")")
     summary = "; ".join(problems + warnings) or (
         f"scales to {top['concurrency']} streams: throughput ×{scaling:.1f}, TTFT p50 {base['ttft_p50_s']:.2f} → "
         f"{top['ttft_p50_s']:.2f} s" + bound)

@@ -9,6 +9,7 @@ import sys
 import time
 
 from brisk.errors import BriskError
+from brisk.fileio import output_path, write_output
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -19,6 +20,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from brisk.doctor.probe import Prober, require_openai
     from brisk.doctor.report import console_report, to_json, write_html
 
+    for flag, path in (("--json", args.json_path), ("--html", args.html)):  # before the probes, not after
+        if path is not None:
+            output_path(path, flag)
     if args.budget is not None and args.budget <= 0:
         raise BriskError(f"--budget must be > 0 seconds, got {args.budget}")
     if args.max_concurrency < 1:
@@ -61,8 +65,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         out.print(f"skipped (time budget): {item}")
     out.print(f"overall: {report['overall']} ({report['duration_s']:.0f} s)")
     if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_output(args.json_path, json.dumps(report, indent=1, default=str), "--json")
     if args.html:
         write_html(args.html, report)
     return 0

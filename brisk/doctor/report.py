@@ -4,12 +4,12 @@ with the plots inlined as PNG."""
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 from typing import Any
 
 from brisk.doctor.checks import Finding
-from brisk.plotting import png_base64, pyplot
+from brisk.fileio import write_output
+from brisk.plotting import integer_ticks, legend_below, png_base64, pyplot
 
 SCHEMA_VERSION = 1
 _STYLE = {"ok": "green", "warning": "yellow", "problem": "bold red", "unknown": "dim"}
@@ -62,8 +62,10 @@ def plots(measurements: dict[str, Any]) -> dict[str, str]:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("ms")
         ax.set_title("TTFT vs prompt length")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend()
+        legend_below(fig, [ax])
         out["ttft_vs_prompt"] = png_base64(fig)
     levels = (measurements.get("concurrency") or {}).get("levels", [])
     levels = [r for r in levels if r.get("ttft_p50_s") is not None]
@@ -72,15 +74,17 @@ def plots(measurements: dict[str, Any]) -> dict[str, str]:
         cs = [r["concurrency"] for r in levels]
         ax.plot(cs, [r["ttft_p50_s"] * 1e3 for r in levels], "o-", label="TTFT p50 (ms)")
         ax.plot(cs, [(r["itl_p50_s"] or 0) * 1e3 for r in levels], "s-", label="ITL p50 (ms)")
-        ax.set_xscale("log", base=2)
+        integer_ticks(ax, cs)
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
         ax2 = ax.twinx()
-        ax2.plot(cs, [r["throughput_tok_s"] for r in levels], "^--", color="C2", label="tokens/s")
+        ax2.plot(cs, [r["throughput_tok_s"] for r in levels], "^--", color="C2", label="output tokens/s (right)")
         ax2.set_ylabel("tokens/s")
+        ax2.set_ylim(bottom=0)
         ax.set_title("latency and throughput vs concurrency")
         ax.grid(alpha=0.3)
-        fig.legend(loc="upper left", fontsize=8)
+        legend_below(fig, [ax, ax2], ncol=3)
         out["latency_vs_concurrency"] = png_base64(fig)
     phases = _phase_breakdown(measurements)
     if phases:
@@ -91,7 +95,7 @@ def plots(measurements: dict[str, Any]) -> dict[str, str]:
             left += ms
         ax.set_xlabel("ms")
         ax.set_title("where a request's time goes")
-        ax.legend(fontsize=8, loc="lower right")
+        legend_below(fig, [ax])
         out["phase_breakdown"] = png_base64(fig)
     return out
 
@@ -114,25 +118,66 @@ def _phase_breakdown(measurements: dict[str, Any]) -> dict[str, float]:
             "rest of response": max((row["e2e_s"] - row["ttft_s"]) * 1e3, 0)}
 
 
+def human(key: str, value: Any) -> str:
+    """A measured value with its unit and a sensible precision, from the key's naming convention
+    (`_s` seconds, `_ms`, `_tok_s`, ratios and shares as %, counts as integers)."""
+    if value is None:
+        return "not measured"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        if {"n", "min", "median", "max"} <= set(value):
+            return (f"{human(key, value['median'])} median, {human(key, value['min'])}–{human(key, value['max'])} "
+                    f"over {value['n']} samples")
+        return "; ".join(f"{k.replace('_', ' ')} {human(k, v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(human(key, v) for v in value)
+    if not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("_ms") or key.endswith("_ms_per_1k_tokens"):
+        return f"{value:,.0f} ms" if abs(value) >= 10 else f"{value:.2f} ms"
+    if key.endswith("_s") and not key.endswith("tok_s"):
+        return f"{value * 1e3:,.0f} ms" if abs(value) < 1 else f"{value:,.2f} s"
+    if key.endswith("tok_s"):
+        return f"{value:,.1f} tokens/s"
+    if any(word in key for word in ("usage", "share", "ratio", "efficiency")):
+        return f"{value:.1%}"
+    if key.endswith("scaling"):
+        return f"×{value:.2f}"
+    if isinstance(value, float) and value != int(value):
+        return f"{value:,.3g}"
+    return f"{int(value):,}"
+
+
+def _evidence_table(evidence: dict[str, Any]) -> str:
+    rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{html.escape(human(k, v))}</td></tr>"
+                   for k, v in evidence.items())
+    return f"<table>{rows}</table>"
+
+
 def write_html(path: Path, report: dict[str, Any]) -> None:
     images = plots(report["measurements"])
     cards = []
     for area, f in report["findings"].items():
         fixes = "".join(f"<li>{html.escape(x)}</li>" for x in f["fixes"])
         missing = "".join(f"<li>{html.escape(x)}</li>" for x in f["not_measured"])
-        evidence = html.escape(json.dumps(f["evidence"], indent=1, default=str))
+        evidence = _evidence_table(f["evidence"])
         cards.append(f"""<section class="card {f['status']}"><h2>{_TITLES[area]} <span>{f['status']}</span></h2>
 <p>{html.escape(f['summary'])}</p>{f'<h3>What to do</h3><ul>{fixes}</ul>' if fixes else ''}
 {f'<h3>Not measured</h3><ul>{missing}</ul>' if missing else ''}
-<details><summary>evidence</summary><pre>{evidence}</pre></details></section>""")
+<details open><summary>evidence</summary>{evidence}</details></section>""")
+    skipped = "".join(f"<li>{html.escape(x)}</li>" for x in report.get("skipped", []))
+    skipped = f"<h2>Skipped (time budget)</h2><ul>{skipped}</ul>" if skipped else ""
     figures = "".join(f'<figure><img alt="{name}" src="data:image/png;base64,{data}"><figcaption>'
                       f'{name.replace("_", " ")}</figcaption></figure>' for name, data in images.items())
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>brisk doctor — {html.escape(report['url'])}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}} .card{{border-left:6px solid #888;
 padding:.2em 1em;margin:1em 0;background:#fafafa}} .ok{{border-color:#2a2}} .warning{{border-color:#d90}}
 .problem{{border-color:#c22}} .unknown{{border-color:#999}} h2 span{{font-size:.7em;text-transform:uppercase}}
-figure{{display:inline-block;margin:.5em}} img{{max-width:520px}} pre{{white-space:pre-wrap}}</style></head><body>
+figure{{display:inline-block;margin:.5em}} img{{max-width:520px}} pre{{white-space:pre-wrap}}
+table{{border-collapse:collapse;font-size:.9em}} th{{text-align:left;font-weight:normal;color:#555;padding-right:1em}}
+td,th{{padding:.15em .4em;border-bottom:1px solid #eee;vertical-align:top}}</style></head><body>
 <h1>brisk doctor</h1><p>{html.escape(report['url'])} · model <b>{html.escape(report['model'])}</b> ·
 {html.escape(report['started'])} · {report['duration_s']:.1f} s · overall <b>{report['overall']}</b></p>
-{''.join(cards)}<h2>Plots</h2>{figures or '<p>nothing to plot</p>'}</body></html>"""
-    Path(path).write_text(page, encoding="utf-8")
+{''.join(cards)}{skipped}<h2>Plots</h2>{figures or '<p>nothing to plot</p>'}</body></html>"""
+    write_output(path, page, "--html")

@@ -42,7 +42,12 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     from brisk.kvplan.report import fit_table, strategy_table, write_plots
     from brisk.trace import Trace, TraceWriter, read_trace, trace_row
 
+    from brisk.fileio import output_path, write_output
+
     console = Console(width=None if sys.stdout.isatty() else 160)
+    for flag, path in (("--json", args.json_path), ("--save-trace", args.save_trace)):  # before the work
+        if path is not None:
+            output_path(path, flag)
     try:
         memory = parse_memory(args.memory)
     except ValueError as e:
@@ -93,6 +98,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                   f"sequences; admission delay p99 {plan['admission_delay_s']['p99']:.2f} s; "
                   f"{plan['preemptions']} preemptions; peak {plan['peak_blocks']} blocks\n"
                   f"  brisk serve {plan['brisk_serve_flags']}")
+    for note in plan["notes"]:
+        console.print(f"[yellow]note[/]: {note}")
     if args.json_path:
         doc = {"brisk_kv_plan_schema": 2, "requests": len(trace), "skipped_lines": loaded.skipped,
                "aborted_requests": loaded.aborted, "prefill_tps": inputs.prefill_tps,
@@ -100,7 +107,7 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                "capacity_tokens": inputs.capacity_tokens, "max_model_len": max_model_len, "step_s": inputs.step_s,
                "fits": {k: v.to_dict() for k, v in fits.items()},
                "strategies": [r.to_dict() for r in results], "recommendation": plan}
-        args.json_path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        write_output(args.json_path, json.dumps(doc, indent=1) + "\n", "--json")
     if args.plot:
         for path in write_plots(args.plot, trace, fits, results):
             console.print(f"plot: {path}")

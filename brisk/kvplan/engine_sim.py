@@ -81,7 +81,6 @@ def simulate_engine(trace: list[TraceRequest], cfg: EngineSimConfig, cost: StepC
     arrived_at: dict[str, float] = {}
     first_at: dict[str, float] = {}
     stats = _Accumulator(cfg.num_blocks * cfg.block_size)
-    stats.timeline["t"] = []
     view = _Paged(kv)
     rejected = finished = 0
     clock, step = 0.0, 0

@@ -129,9 +129,11 @@ def run_strategies(trace: list[TraceRequest], p: PlanInputs, bytes_per_token: in
 
 
 def recommend(results: list[SimResult], p: PlanInputs, shape: ModelShape | None) -> dict:
+    """The block size whose simulated engine admits requests soonest, then preempts least (each
+    within 5%: ties), then is nearest 16, the size paged-attention kernels are tuned for (fewer,
+    larger blocks also mean smaller block tables). Concurrency is not the criterion: preempted
+    requests live longer, so more preemption shows as more concurrency."""
     pool = [r for r in results if r.serve_flags]
-    best = max(r.mean_running for r in pool)
-    close = [r for r in pool if r.mean_running >= 0.99 * best]
 
     def delay(r: SimResult) -> float:
         return sum(r.admission_delays_s) / max(len(r.admission_delays_s), 1)
@@ -139,11 +141,11 @@ def recommend(results: list[SimResult], p: PlanInputs, shape: ModelShape | None)
     def block(r: SimResult) -> int:
         return int(r.strategy.split("B=")[1].split()[0])
 
-    # Equal concurrency and delay (within 1% / 5%): prefer blocks near 16, the size paged
-    # attention kernels are tuned for; fewer, larger blocks also mean smaller block tables.
-    least_delay = min(delay(r) for r in close)
-    close = [r for r in close if delay(r) <= least_delay * 1.05 + 1e-3]
-    chosen = min(close, key=lambda r: (r.num_preemptions, abs(block(r) - 16)))
+    least_delay = min(delay(r) for r in pool)
+    close = [r for r in pool if delay(r) <= least_delay * 1.05 + 1e-3]
+    fewest = min(r.num_preemptions for r in close)
+    close = [r for r in close if r.num_preemptions <= fewest * 1.05]
+    chosen = min(close, key=lambda r: abs(block(r) - 16))
     bs = block(chosen)
     out = {
         "block_size": bs, "strategy": chosen.strategy, "num_blocks": chosen.capacity_tokens // bs,
@@ -151,8 +153,15 @@ def recommend(results: list[SimResult], p: PlanInputs, shape: ModelShape | None)
         "expected_concurrency": {"mean": chosen.mean_running, "peak": chosen.peak_running},
         "admission_delay_s": chosen.to_dict()["admission_delay_s"], "preemptions": chosen.num_preemptions,
         "rejected": chosen.num_rejected, "peak_blocks": max(chosen.used_blocks, default=0),
-        "brisk_serve_flags": chosen.serve_flags,
+        "brisk_serve_flags": chosen.serve_flags, "notes": [],
     }
+    if chosen.num_preemptions:
+        out["notes"].append(f"{chosen.num_preemptions} preemptions: the KV memory is short for this traffic at "
+                            f"--max-num-seqs {p.max_num_seqs}; more --memory, or a lower --max-num-seqs, avoids "
+                            "recomputing preempted requests")
+    if chosen.num_rejected:
+        out["notes"].append(f"{chosen.num_rejected} requests are longer than --max-model-len {p.max_model_len} "
+                            "(prompt + output) and would be refused")
     if shape is not None:
         out["memory_bytes"] = chosen.capacity_tokens * shape.bytes_per_token
     return out

@@ -9,7 +9,8 @@ import numpy as np
 from brisk.kvplan.fit import LengthFit
 from brisk.kvplan.simulate import SimResult
 from brisk.trace import TraceRequest
-from brisk.plotting import pyplot, save_png
+from brisk.fileio import output_dir
+from brisk.plotting import legend_below, pyplot, save_png
 
 
 def fit_table(fits: dict[str, LengthFit]):
@@ -52,8 +53,7 @@ def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, Leng
                 results: list[SimResult]) -> list[Path]:
     plt = pyplot()
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = output_dir(directory, "--plot")
     written = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, (name, fit), attr in zip(axes, fits.items(), ("prompt_tokens", "output_tokens")):
@@ -63,20 +63,27 @@ def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, Leng
         ax.plot(xs, fit.pdf(xs), "C3", label=f"truncated lognormal μ={fit.mu:.2f} σ={fit.sigma:.2f}")
         ax.set_title(f"{name} (KS D={fit.ks_statistic:.3f})")
         ax.set_xlabel("tokens")
-        ax.legend(fontsize=8)
+        ax.set_ylabel("density")
+        ax.legend(fontsize=8, loc="upper right")
     written.append(save_png(fig, directory / "length_fit.png"))
 
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 5.2))
+    brisk_runs = [r for r in results if r.serve_flags] or results
+    horizon = 1.1 * max(r.timeline["t"][-1] for r in brisk_runs if r.timeline["t"])  # where brisk's runs end
     for r in results:
-        if "B=8" in r.strategy or "B=64" in r.strategy or "B=128" in r.strategy:
-            continue  # keep the plot readable: B=16/32 stand for paging
-        t = np.arange(len(r.timeline["allocated"])) * r.step_s
-        ax.plot(t, np.array(r.timeline["allocated"]) / r.capacity_tokens, label=r.strategy, lw=1)
-    ax.set_ylabel("memory held / budget")
-    ax.set_xlabel("seconds")
-    ax.set_title("KV memory held over the trace")
-    ax.legend(fontsize=7, ncol=2)
+        t = np.asarray(r.timeline["t"])
+        label = r.strategy
+        if len(t) and t[-1] > horizon:
+            label += f" (runs on to {t[-1]:,.0f} s)"
+        ax.plot(t, np.array(r.timeline["allocated"]) / r.capacity_tokens, label=label, lw=1,
+                ls="-" if r.serve_flags else "--")
+    ax.set_xlim(0, horizon)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("KV memory held / budget")
+    ax.set_xlabel("seconds since the first request")
+    ax.set_title("KV memory held over the trace (to the end of brisk's runs)")
     ax.grid(alpha=0.3)
+    legend_below(fig, [ax], ncol=3)
     written.append(save_png(fig, directory / "memory_over_time.png"))
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
@@ -90,7 +97,9 @@ def write_plots(directory: Path, trace: list[TraceRequest], fits: dict[str, Leng
         ax.barh(labels, v, left=bottom, label=name)
         bottom += v
     ax.set_xlabel("share of the memory budget (mean over all steps)")
+    ax.set_xlim(0, 1)
+    ax.invert_yaxis()  # the first strategy on top, as in the table
     ax.set_title("where the memory goes")
-    ax.legend(fontsize=8)
+    legend_below(fig, [ax])
     written.append(save_png(fig, directory / "waste_breakdown.png"))
     return written

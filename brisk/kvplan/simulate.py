@@ -311,6 +311,7 @@ def simulate(trace: list[TraceRequest], alloc: Allocator, cfg: SimConfig, strate
         if blocked is not None and alloc.fits_ignoring_layout(blocked):
             external = cfg.capacity_tokens - alloc.allocated()
         stats.record(alloc, len(running), external)  # memory held during the step
+        stats.timeline["t"].append(clock)
         done = [s for s in running if s.sampled >= s.req.output_tokens]
         for s in done:
             running.remove(s)
@@ -361,7 +362,7 @@ class _Accumulator:
                      "running": 0.0}
         self.peak_allocated = 0
         self.peak_running = 0
-        self.timeline: dict[str, list[float]] = {"allocated": [], "used": [], "running": []}
+        self.timeline: dict[str, list[float]] = {"allocated": [], "used": [], "running": [], "t": []}
         self.used_blocks: list[int] = []
 
     def record(self, alloc: Allocator, running: int, external: int) -> None:
