@@ -207,6 +207,8 @@ def test_sweep_levels_get_fresh_prompts(server, tmp_path):
         assert run["completed"] == 3 and run["cached_input_tokens"] is not None
         assert run["prefix_cache_hit_rate"] < 0.2, run["prefix_cache_hit_rate"]
     assert "served from the server's prefix cache" not in proc.stderr
+    # no terminal here: plain progress lines, not a redrawn bar
+    assert "concurrency=1: 3/3 (100%)" in proc.stderr and "concurrency=2: 3/3 (100%)" in proc.stderr
 
 
 def test_shared_prefix_runs_share_prefixes_and_report_hits(server, tmp_path):

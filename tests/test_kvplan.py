@@ -192,6 +192,28 @@ def test_cli_plans_chunked_prefill_with_serve_defaults(tmp_path):
     assert "--max-num-batched-tokens 512" in paged["brisk_serve_flags"]
 
 
+def test_readme_command_reproduces_the_docs(tmp_path):
+    """The kv-plan command in the README, run as written (outputs redirected to a temp folder),
+    gives exactly the plan and trace committed in docs/kv-plan/."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    lines = [line for line in (root / "README.md").read_text().splitlines()
+             if line.startswith(".venv/bin/brisk kv-plan")]
+    assert len(lines) == 1, lines
+    assert lines[0] in (root / "docs" / "kv-plan.md").read_text()  # the docs quote the same command
+    argv = shlex.split(lines[0])[1:]
+    argv = [a.replace("docs/kv-plan", str(tmp_path)) for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "brisk", *argv], capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    docs = root / "docs" / "kv-plan"
+    assert (tmp_path / "trace.jsonl").read_text() == (docs / "trace.jsonl").read_text()
+    assert json.loads((tmp_path / "plan.json").read_text()) == json.loads((docs / "plan.json").read_text())
+    assert {p.name for p in tmp_path.glob("*.png")} == {p.name for p in docs.glob("*.png")}
+
+
 def test_cli_bad_input_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "brisk", "kv-plan", "--memory", "lots"], capture_output=True,
                           text=True, timeout=60)

@@ -63,3 +63,10 @@ def test_top_unreachable_is_one_line():
     out = subprocess.run([sys.executable, "-m", "brisk", "top", "http://127.0.0.1:9", "--once"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot reach" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_top_without_a_terminal_says_to_use_once():
+    """A live-redrawing table in a log or a pipe is garbage: without a TTY, top asks for --once."""
+    out = subprocess.run([sys.executable, "-m", "brisk", "top", "http://127.0.0.1:9"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--once" in out.stderr and "terminal" in out.stderr

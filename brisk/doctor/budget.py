@@ -16,9 +16,9 @@ class Budget:
     def remaining(self) -> float:
         return self.total_s - (time.monotonic() - self.start)
 
-    def share(self, fraction: float) -> "Budget":
-        """A budget for one check: `fraction` of the total, never more than what is left."""
-        return Budget(max(min(self.total_s * fraction, self.remaining()), 0.0), skipped=self.skipped)
+    def share_of_remaining(self, fraction: float) -> "Budget":
+        """A budget for one check: `fraction` of what is left now (skips are recorded here too)."""
+        return Budget(max(self.remaining() * fraction, 0.0), skipped=self.skipped)
 
     def fits(self, estimate_s: float, what: str) -> bool:
         """Whether a probe estimated at `estimate_s` fits; if not, it is recorded as skipped."""

@@ -45,16 +45,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                                  progress=lambda message: console.print(f"[dim]… {message}[/]"))
         measurements = {}
 
-        def run(area, check, share, *extra):
-            options.budget = total.share(share)
+        weights = {"cold_start": 0.15, "network": 0.10, "context": 0.40, "kv_batching": 0.35}
+
+        def run(area, check, *extra):
+            """A check gets its weight's share of the time left, so what one leaves goes to the next."""
+            later = list(weights)[list(weights).index(area):]
+            options.budget = total.share_of_remaining(weights[area] / sum(weights[a] for a in later))
             return _guarded(area, check, prober, options, *extra)
 
-        cold, measurements["cold_start"] = run("cold_start", checks.check_cold_start, 0.15)
+        cold, measurements["cold_start"] = run("cold_start", checks.check_cold_start)
         total.start = time.monotonic() if cold.evidence.get("loading_seen") else total.start  # waiting: not ours
         steady = measurements["cold_start"].get("steady_ttft_s")
-        network, measurements["network"] = run("network", checks.check_network, 0.1, steady)
-        context, measurements["context"] = run("context", checks.check_context, 0.4, body)
-        batching, measurements["concurrency"] = run("kv_batching", checks.check_concurrency, 0.35)
+        network, measurements["network"] = run("network", checks.check_network, steady)
+        context, measurements["context"] = run("context", checks.check_context, body)
+        batching, measurements["concurrency"] = run("kv_batching", checks.check_concurrency)
         findings = [network, cold, batching, context]
     finally:
         prober.close()

@@ -122,14 +122,14 @@ def human(key: str, value: Any) -> str:
     """A measured value with its unit and a sensible precision, from the key's naming convention
     (`_s` seconds, `_ms`, `_tok_s`, ratios and shares as %, counts as integers)."""
     if value is None:
-        return "not measured"
+        return "none" if key in _NONE_MEANS_NONE else "not measured"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dict):
         if {"n", "min", "median", "max"} <= set(value):
             return (f"{human(key, value['median'])} median, {human(key, value['min'])}–{human(key, value['max'])} "
                     f"over {value['n']} samples")
-        return "; ".join(f"{k.replace('_', ' ')} {human(k, v)}" for k, v in value.items())
+        return "; ".join(f"{_label(k)}: {human(k, v)}" for k, v in value.items())
     if isinstance(value, list):
         return ", ".join(human(key, v) for v in value)
     if not isinstance(value, (int, float)):
@@ -149,8 +149,20 @@ def human(key: str, value: Any) -> str:
     return f"{int(value):,}"
 
 
+_NONE_MEANS_NONE = {"knee_concurrency"}  # None here is a finding (no knee), not a gap
+
+
+def _label(key: str) -> str:
+    """`steady_ttft_spread_s` -> `steady ttft spread` (the unit goes with the value)."""
+    for suffix in ("_tok_s", "_ms", "_s"):
+        if key.endswith(suffix):
+            key = key[: -len(suffix)]
+            break
+    return key.replace("_", " ")
+
+
 def _evidence_table(evidence: dict[str, Any]) -> str:
-    rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{html.escape(human(k, v))}</td></tr>"
+    rows = "".join(f"<tr><th>{html.escape(_label(k))}</th><td>{html.escape(human(k, v))}</td></tr>"
                    for k, v in evidence.items())
     return f"<table>{rows}</table>"
 

@@ -70,12 +70,13 @@ class PlanInputs:
     bucket_shares: list[float]
     rebalance_every: int
     enable_prefix_caching: bool = True
+    memory_flag: str | None = None  # --memory as the user wrote it: brisk serve's --kv-cache-memory takes it as is
 
 
 def serve_flags(p: PlanInputs, block_size: int, bytes_per_token: int) -> str:
     """The `brisk serve` flags that give the engine simulated for this block size."""
-    memory_mib = p.capacity_tokens * bytes_per_token // 2**20
-    flags = (f"--block-size {block_size} --kv-cache-memory {memory_mib}MiB --max-num-seqs {p.max_num_seqs} "
+    memory = p.memory_flag or f"{p.capacity_tokens * bytes_per_token // 2**20}MiB"
+    flags = (f"--block-size {block_size} --kv-cache-memory {memory} --max-num-seqs {p.max_num_seqs} "
              f"--max-num-batched-tokens {p.max_num_batched_tokens} --max-model-len {p.max_model_len}")
     return flags + ("" if p.enable_prefix_caching else " --no-prefix-caching")
 
