@@ -206,7 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _print_warnings(console, results, args)
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base_url": server.url, "model_id": model,
             "endpoint": args.endpoint, "workload": args.workload, "input_len": args.input_len,
-            "output_len": args.output_len, "num_prompts": args.num_requests, "burstiness": args.burstiness,
+            "output_len": args.output_len, "num_prompts": len(results[0].records), "burstiness": args.burstiness,
             "ignore_eos": not args.no_ignore_eos, "exact_prompt_lengths": server.counter is not None,
             "fresh_prompts_per_run": args.workload != "shared-prefix",
             "goodput_slo": None if slo is None else {k: v for k, v in vars(slo).items() if v is not None}}

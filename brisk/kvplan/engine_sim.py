@@ -17,7 +17,7 @@ from brisk.engine.kv_cache.manager import KVCacheManager
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerConfig
-from brisk.kvplan.simulate import SimResult, _Accumulator
+from brisk.kvplan.simulate import SimResult, Accumulator
 from brisk.trace import TraceRequest
 
 
@@ -46,7 +46,7 @@ class EngineSimConfig:
 
 
 class _Paged:
-    """The allocator view `_Accumulator` records: what the real KV manager holds (read once a step)."""
+    """The allocator view `Accumulator` records: what the real KV manager holds (read once a step)."""
 
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
@@ -80,7 +80,7 @@ def simulate_engine(trace: list[TraceRequest], cfg: EngineSimConfig, cost: StepC
     targets: dict[str, int] = {}
     arrived_at: dict[str, float] = {}
     first_at: dict[str, float] = {}
-    stats = _Accumulator(cfg.num_blocks * cfg.block_size)
+    stats = Accumulator(cfg.num_blocks * cfg.block_size)
     view = _Paged(kv)
     rejected = finished = 0
     clock, step = 0.0, 0

@@ -253,7 +253,7 @@ def simulate(trace: list[TraceRequest], alloc: Allocator, cfg: SimConfig, strate
     pending = deque(sorted(seqs, key=lambda s: (s.arrival_t, s.index)))
     waiting: deque[_Seq] = deque()
     running: list[_Seq] = []
-    stats = _Accumulator(cfg.capacity_tokens)
+    stats = Accumulator(cfg.capacity_tokens)
     rejected = preemptions = finished = 0
     delays: list[float] = []
     step, clock = 0, 0.0
@@ -354,7 +354,7 @@ def _grow_running(alloc: Allocator, running: list[_Seq], waiting: deque) -> int:
     return preempted
 
 
-class _Accumulator:
+class Accumulator:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.n = 0
