@@ -28,13 +28,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", "-v", action="store_true", help="print the load report; tracebacks on errors")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache size, e.g. 2GiB (default: 20%% of available memory)")
+def _add_engine_args(p) -> None:
+    memory = p.add_mutually_exclusive_group()
+    memory.add_argument("--kv-cache-memory", default=None,
+                        help="KV cache size, e.g. 2GiB (default: 20%% of the memory available after the weights)")
+    memory.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                        help="vLLM's flag: the KV cache takes this fraction of the device's free memory once the "
+                             "weights are loaded (on CPU: of available RAM), in (0, 0.95]")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="auto: the model's dtype (the only one brisk stores; fp8 is refused)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable KV prefix sharing")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of a common prompt prefix (default on)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="the same as --no-enable-prefix-caching")
 
 
 def engine_configs(args: argparse.Namespace, max_model_len: int):
@@ -43,14 +52,21 @@ def engine_configs(args: argparse.Namespace, max_model_len: int):
     from brisk.config import CacheConfig, parse_memory
     from brisk.engine.scheduler import SchedulerConfig
 
+    if args.kv_cache_dtype != "auto":
+        raise BriskError(f"--kv-cache-dtype {args.kv_cache_dtype}: brisk stores the KV cache in the model's dtype "
+                         "only (fp8 KV is not implemented); use --kv-cache-dtype auto")
     try:
         memory = parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None
+        fraction = {} if args.gpu_memory_utilization is None else {"kv_cache_fraction": args.gpu_memory_utilization}
         cache = CacheConfig(block_size=args.block_size, kv_cache_memory=memory,
-                            enable_prefix_caching=not args.no_prefix_caching)
+                            enable_prefix_caching=args.enable_prefix_caching, **fraction)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=max_model_len)
     except ValueError as e:
-        raise BriskError(str(e)) from None
+        message = str(e)
+        if "kv_cache_fraction" in message:  # name the flag the user gave
+            message = f"--gpu-memory-utilization must be in (0, 0.95], got {args.gpu_memory_utilization}"
+        raise BriskError(message) from None
     return cache, sched
 
 
@@ -62,10 +78,11 @@ def build_engine(args: argparse.Namespace, loaded):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="brisk", description="LLM inference server and latency diagnostics")
+    parser = argparse.ArgumentParser(prog="brisk", description="LLM inference server and latency diagnostics",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"brisk {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
     _add_model_args(gen)
     _add_engine_args(gen)
     gen.add_argument("prompt", help="the prompt text (a user message with --chat)")
@@ -79,73 +96,96 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object {text, token_ids, prompt_tokens, completion_tokens, load_report, timings}")
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    srv.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
-                     help="model directory, .gguf file, or catalog name (default: smollm2-135m-instruct)")
-    _add_model_args(srv)
-    _add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: from MODEL)")
-    srv.add_argument("--context-policy", default="reject", choices=["reject", "truncate-oldest", "clamp-max-tokens"],
-                     help="when prompt + max_tokens exceeds the window: reject with 400 (default), drop the "
-                          "oldest chat messages, or lower max_tokens; always reported to the client")
-    srv.add_argument("--max-queued-requests", type=int, default=256,
-                     help="requests allowed to wait beyond --max-num-seqs; more get 429 (default 256)")
-    srv.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish after SIGTERM (default 30)")
-    srv.add_argument("--api-key", default=None,
-                     help="require `Authorization: Bearer KEY` on every route but /health and /ready; prefer "
-                          "the environment variable BRISK_API_KEY (a flag is visible to every user in `ps`)")
-    srv.add_argument("--metrics-public", action="store_true",
-                     help="serve /metrics without the API key (for a Prometheus scraper that has none)")
-    srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="request body limit (default 16 MiB)")
-    srv.add_argument("--max-prompt-chars", type=int, default=1_000_000,
-                     help="characters of text one request may send to the tokenizer (default 1,000,000); more: 413")
-    srv.add_argument("--max-token-ids", type=int, default=262_144,
-                     help="token ids one request may send (/detokenize, token-id prompts; default 262,144); "
-                          "more: 413")
-    srv.add_argument("--tokenizer-threads", type=int, default=2,
-                     help="requests tokenized at once, off the event loop (default 2); the others wait")
-    srv.add_argument("--header-timeout", type=float, default=15.0,
-                     help="seconds a connection has to send a complete request head (default 15)")
-    srv.add_argument("--body-timeout", type=float, default=30.0,
-                     help="seconds a request body has to arrive once its head has (default 30)")
-    srv.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                     help="seconds an idle keep-alive connection stays open (default 5)")
-    srv.add_argument("--max-connections", type=int, default=1000,
-                     help="open connections at most; a new one past it gets 503 and is closed (default 1000)")
-    srv.add_argument("--seed", type=int, default=None, help="seed of the sampler for unseeded requests")
-    srv.add_argument("--allow-priority", action="store_true",
-                     help="honour the request field `priority` (lower first); off by default, since any "
-                          "client could then jump the queue")
-    srv.add_argument("--request-log", default=None,
-                     help="append one JSON line per finished request (lengths, timings) to this file; "
-                          "brisk kv-plan --trace reads it")
-    srv.add_argument("--otlp-endpoint", default=None,
-                     help="export OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318")
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible server", allow_abbrev=False)
+    model = srv.add_argument_group("model")
+    model.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                       help="model directory, .gguf file, or catalog name (default: smollm2-135m-instruct)")
+    _add_model_args(model)
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model id(s) clients send; responses carry the first (default: from MODEL)")
+    model.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template, as a file or inline, instead of the model's own")
+    _add_engine_args(srv.add_argument_group("KV cache and scheduler"))
+    http = srv.add_argument_group("HTTP server")
+    http.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--context-policy", default="reject", choices=["reject", "truncate-oldest", "clamp-max-tokens"],
+                      help="when prompt + max_tokens exceeds the window: reject with 400 (default), drop the "
+                           "oldest chat messages, or lower max_tokens; always reported to the client")
+    http.add_argument("--max-queued-requests", type=int, default=256,
+                      help="requests allowed to wait beyond --max-num-seqs; more get 429 (default 256)")
+    http.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is ended")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    http.add_argument("--seed", type=int, default=None, help="seed of the sampler for unseeded requests")
+    http.add_argument("--allow-priority", action="store_true",
+                      help="honour the request field `priority` (lower first); off by default, since any "
+                           "client could then jump the queue")
+    limits = srv.add_argument_group("security and limits")
+    limits.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every route but /health and /ready; prefer "
+                             "the environment variable BRISK_API_KEY (a flag is visible to every user in `ps`)")
+    limits.add_argument("--metrics-public", action="store_true",
+                        help="serve /metrics without the API key (for a Prometheus scraper that has none)")
+    limits.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                        help="request body limit (default 16 MiB)")
+    limits.add_argument("--max-prompt-chars", type=int, default=1_000_000,
+                        help="characters of text one request may send to the tokenizer (default 1,000,000); "
+                             "more: 413")
+    limits.add_argument("--max-token-ids", type=int, default=262_144,
+                        help="token ids one request may send (/detokenize, token-id prompts; default 262,144); "
+                             "more: 413")
+    limits.add_argument("--tokenizer-threads", type=int, default=2,
+                        help="requests tokenized at once, off the event loop (default 2); the others wait")
+    limits.add_argument("--header-timeout", type=float, default=15.0,
+                        help="seconds a connection has to send a complete request head (default 15)")
+    limits.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request body has to arrive once its head has (default 30)")
+    limits.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (default 5)")
+    limits.add_argument("--max-connections", type=int, default=1000,
+                        help="open connections at most; a new one past it gets 503 and is closed (default 1000)")
+    logs = srv.add_argument_group("logging and observability")
+    logs.add_argument("--uvicorn-log-level", default="warning",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"],
+                      help="uvicorn's own log level (default warning)")
+    logs.add_argument("--disable-log-requests", action="store_true",
+                      help="no access-log line per request (vLLM's flag)")
+    logs.add_argument("--log-prompts", action="store_true",
+                      help="put each request's prompt text in its access-log line (off: lengths only)")
+    logs.add_argument("--disable-log-stats", action="store_true",
+                      help="no periodic engine stats line (throughput, running/waiting, KV usage)")
+    logs.add_argument("--log-stats-interval", type=float, default=10.0,
+                      help="seconds between engine stats lines while busy (default 10)")
+    logs.add_argument("--request-log", default=None,
+                      help="append one JSON line per finished request (a trace: lengths, timings) to this file; "
+                           "brisk kv-plan --trace and brisk bench --workload replay read it")
+    logs.add_argument("--otlp-endpoint", default=None,
+                      help="export OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318")
     srv.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="load an OpenAI-compatible endpoint; vLLM-comparable latency metrics")
+    bench = sub.add_parser("bench", allow_abbrev=False,
+                           help="load an OpenAI-compatible endpoint; vLLM-comparable latency metrics")
     from brisk.bench.args import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
     bench.set_defaults(func=lambda args: __import__("brisk.bench.command", fromlist=["cmd_bench"]).cmd_bench(args))
 
-    doctor = sub.add_parser("doctor", help="diagnose why an OpenAI-compatible endpoint is slow")
+    doctor = sub.add_parser("doctor", allow_abbrev=False,
+                            help="diagnose why an OpenAI-compatible endpoint is slow")
     from brisk.doctor.args import add_arguments as add_doctor_arguments
 
     add_doctor_arguments(doctor)
     doctor.set_defaults(func=lambda args: __import__("brisk.doctor.command", fromlist=["cmd_doctor"]).cmd_doctor(args))
 
-    plan = sub.add_parser("kv-plan", help="fit request lengths, simulate KV-cache strategies, size the pool")
+    plan = sub.add_parser("kv-plan", allow_abbrev=False,
+                          help="fit request lengths, simulate KV-cache strategies, size the pool")
     from brisk.kvplan.args import add_arguments as add_plan_arguments
 
     add_plan_arguments(plan)
     plan.set_defaults(func=lambda args: __import__("brisk.kvplan.command", fromlist=["cmd_kv_plan"]).cmd_kv_plan(args))
 
-    top = sub.add_parser("top", help="live terminal view of a running brisk server's /metrics")
+    top = sub.add_parser("top", allow_abbrev=False, help="live terminal view of a running brisk server's /metrics")
     top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server base URL")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes (default 2)")
     top.add_argument("--once", action="store_true", help="print one view (two scrapes) and exit")
@@ -155,13 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from brisk.server.serve import serve
+    from brisk.server.preflight import preflight
 
     if args.model_arg is not None:
         if args.model is not None and args.model != args.model_arg:
             raise BriskError(f"two models given ({args.model_arg!r} and --model {args.model!r}); give one")
         args.model = args.model_arg
-    return serve(args, build_engine)
+    checked = preflight(args)  # flags, model, window, KV budget and port: before any heavy import
+    from brisk.server.serve import serve
+
+    return serve(args, build_engine, checked)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

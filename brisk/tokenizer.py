@@ -94,6 +94,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.fast.get_vocab_size(with_added_tokens=True)
 
+    def set_chat_template(self, source: str) -> None:
+        """Use `source` instead of the model's own template (`brisk serve --chat-template`)."""
+        self.chat_template_source = source
+        self._chat_template = compile_chat_template(source)
+
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None

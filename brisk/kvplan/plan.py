@@ -25,28 +25,15 @@ class ModelShape:
 def model_shape(model: str | None, kv_dtype: str) -> ModelShape:
     """KV bytes per token from a model's config (HF dir, GGUF metadata or catalog name), no weights read."""
     from brisk.config import ModelConfig
-    from brisk.loading.gguf_convert import hf_config, open_gguf, read_metadata
+    from brisk.loading.gguf_header import hf_config
+    from brisk.loading.gguf_header import read_gguf_metadata
     from brisk.models.registry import resolve
 
     if kv_dtype not in _DTYPE_BYTES:
         raise BriskError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(_DTYPE_BYTES)}")
     src = resolve(model)
-    converted = None
-    if src.kind == "gguf":  # a converted copy's config.json, when brisk served it before: no GGUF parse
-        from brisk.loading.cache_dir import cache_dir
-        from brisk.loading.gguf_convert import converted_dir
-
-        try:
-            candidates = [converted_dir(cache_dir(), src.path, q) for q in ("auto", "none", "int8", "int4")]
-        except BriskError:  # an unusable cache directory: read the GGUF itself
-            candidates = []
-        converted = next((d / "config.json" for d in candidates if (d / "config.json").exists()), None)
-    if converted is not None:
-        config = json.loads(converted.read_text(encoding="utf-8"))
-    elif src.kind == "gguf":
-        reader = open_gguf(src.path)
-        has_output = any(t.name == "output.weight" for t in reader.tensors)
-        config = hf_config(read_metadata(reader), has_output, str(src.path))
+    if src.kind == "gguf":  # the metadata alone, in milliseconds (tie_word_embeddings does not matter here)
+        config = hf_config(read_gguf_metadata(src.path), True, str(src.path))
     else:
         config = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
     cfg = ModelConfig.from_hf_dict(config, str(src.path))

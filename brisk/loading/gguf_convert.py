@@ -35,16 +35,15 @@ import torch
 from brisk.errors import ModelLoadError
 from brisk.kernels import QK
 from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64
+from brisk.loading.gguf_header import BRISK_LAYOUT, hf_config  # noqa: F401 (hf_config: callers import it here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4
 
 log = logging.getLogger("brisk.loading")
 
 CONVERT_VERSION = 2
-BRISK_LAYOUT = "brisk-fused-v1"
 _HASHED_PREFIX_BYTES = 1 << 20
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _PLAIN_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -105,51 +104,6 @@ def read_metadata(reader) -> dict[str, Any]:
             continue
         meta[key] = field.contents()
     return meta
-
-
-def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, Any]:
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ModelLoadError(
-            f"{source}: unsupported GGUF architecture {arch!r}; brisk converts {', '.join(_ARCHITECTURES)}"
-        )
-
-    def key(name: str, default: Any = None, required: bool = True) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None and required:
-            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{name}; the file is incomplete")
-        return value
-
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
-    config = {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(key("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or None)),
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": not has_output,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "brisk_layout": BRISK_LAYOUT,
-    }
-    scaling = key("rope.scaling.type", None, required=False)
-    if scaling and scaling != "none":
-        config["rope_scaling"] = {
-            "rope_type": scaling,
-            "factor": float(key("rope.scaling.factor")),
-            "original_max_position_embeddings": int(
-                key("rope.scaling.original_context_length", config["max_position_embeddings"])
-            ),
-        }
-    return config
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

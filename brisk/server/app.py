@@ -28,6 +28,7 @@ from brisk.server.middleware import GuardMiddleware
 from brisk.server.openapi import install_openapi
 from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    message_dicts)
+from brisk.server.logs import EngineStatsLogger
 from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter, usage_block
 from brisk.server.state import RequestTimeoutError, ServerState, ShutdownError
 from brisk.tokenizer import ChatTemplateError
@@ -41,12 +42,26 @@ class ClientDisconnected(Exception):
     pass
 
 
+async def _log_engine_stats(state: ServerState, interval_s: float) -> None:
+    """The periodic engine line, from the moment the model is loaded."""
+    while state.engine is None:
+        if state.load_error is not None:
+            return
+        await asyncio.sleep(0.5)
+    await EngineStatsLogger(state.engine, interval_s).run()
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.start_loading()
+        stats = None
+        if state.config.log_stats_interval_s:
+            stats = asyncio.create_task(_log_engine_stats(state, state.config.log_stats_interval_s))
         yield
+        if stats is not None:
+            stats.cancel()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
         if state.tracer is not None:
@@ -91,13 +106,23 @@ def create_app(state: ServerState) -> FastAPI:
                 stats = None
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models():
-        created = int(time.time())
-        card = {"id": state.config.served_model_name, "object": "model", "created": created, "owned_by": "brisk"}
+    def model_card(name: str) -> dict[str, Any]:
+        card = {"id": name, "object": "model", "created": int(state.started_unix), "owned_by": "brisk"}
+        if name != state.config.served_model_name:
+            card["root"] = state.config.served_model_name  # an alias of the first name
         if state.engine is not None:
             card["max_model_len"] = state.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(name) for name in state.config.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """The OpenAI SDK's models.retrieve."""
+        _check_model(state, model_id)
+        return model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -197,10 +222,10 @@ def _encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: boo
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.config.served_model_name:
+    if model is not None and model not in state.config.model_names:
         shown = model if len(model) <= 100 else model[:100] + "..."
         raise APIError(404, f"The model `{shown}` does not exist; this server serves "
-                            f"`{state.config.served_model_name}` (GET /v1/models)",
+                            + ", ".join(f"`{n}`" for n in state.config.model_names) + " (GET /v1/models)",
                        param="model", code="model_not_found")
 
 
@@ -456,6 +481,16 @@ class _Run:
             self._trace(unfinished)
         if self.state.request_log is not None:
             self._log_requests()
+        if self.state.config.log_requests:  # for the access-log line the middleware writes at the end
+            usage = self._usage()
+            first = self.finals.get(0)
+            self.raw.state.brisk_access = {
+                "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": max(usage["completion_tokens"], sum(self.generated.values())),
+                "ttft_ms": first.metrics.get("ttft_ms") if first is not None else None,
+                "finish": ",".join(sorted({o.finish_reason for o in self.finals.values() if o.finish_reason}))
+                or self.abort_cause,
+                "prompt": _prompt_text(self.body) if self.state.config.log_prompts else None}
 
     def _log_requests(self) -> None:
         """One trace line per engine request (brisk/trace.py: bench replays it, kv-plan plans from it)."""
@@ -516,6 +551,15 @@ def _as_api_error(e: BaseException, run: _Run) -> APIError:
     log.exception("request failed", exc_info=e)
     run.abort_cause = "error"
     return APIError(500, "internal server error; the server log has the details")
+
+
+def _prompt_text(body) -> str:
+    """The request's prompt for --log-prompts, shortened to 2,000 characters."""
+    if getattr(body, "messages", None) is not None:
+        text = " | ".join(f"{m.role}: {m.content if isinstance(m.content, str) else '[parts]'}" for m in body.messages)
+    else:
+        text = str(body.prompt)
+    return text if len(text) <= 2000 else text[:2000] + "..."
 
 
 def _sse(payload: dict) -> str:

@@ -1,6 +1,6 @@
 """One pure-ASGI middleware for what every request passes through: the API key (one rule
 for every route but /health and /ready, and /metrics with --metrics-public), the
-request-body size and read-time limits, and the HTTP-status counter."""
+request-body size and read-time limits, the HTTP-status counter, and the access-log line."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from starlette.exceptions import HTTPException
 
 from brisk.server.errors import error_body
+from brisk.server.logs import access_line, access_log
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
            "/ready", "/metrics"}
@@ -36,6 +37,7 @@ class GuardMiddleware:
         path = scope["path"]
         route = path if path in _ROUTES else "other"
         status_holder = {"status": 500}
+        start = time.perf_counter()
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -51,6 +53,9 @@ class GuardMiddleware:
             await self.app(scope, self._limited(receive), counting_send)
         finally:
             self.state.metrics.http_responses.labels(route, str(status_holder["status"])).inc()
+            if self.state.config.log_requests:
+                access_log.info("%s", access_line(scope, status_holder["status"],
+                                                  (time.perf_counter() - start) * 1e3, self.state.config.log_prompts))
 
     def _needs_key(self, path: str) -> bool:
         config = self.state.config

@@ -52,7 +52,8 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
 
     try:
         return ServerConfig(
-            served_model_name=args.served_model_name or served_name,
+            served_model_name=(args.served_model_name or [served_name])[0],
+            model_aliases=tuple(args.served_model_name or ()),
             context_policy=ContextPolicy(args.context_policy),
             max_queued_requests=args.max_queued_requests,
             request_timeout_s=args.request_timeout,
@@ -69,6 +70,9 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
             header_timeout_s=args.header_timeout,
             keep_alive_s=args.timeout_keep_alive,
             max_connections=args.max_connections,
+            log_requests=not args.disable_log_requests,
+            log_prompts=args.log_prompts,
+            log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         )
     except ValueError as e:
         raise BriskError(str(e)) from None
@@ -79,11 +83,12 @@ def warn_about_key_flag(args: argparse.Namespace) -> None:
         log.warning("--api-key is visible to every user of this machine (`ps`); set BRISK_API_KEY instead")
 
 
-def serve(args: argparse.Namespace, build_engine) -> int:
-    from brisk.models.registry import CATALOG, resolve
+def serve(args: argparse.Namespace, build_engine, checked) -> int:
+    """Serve with the socket and model that `preflight` checked (`checked`)."""
+    from brisk.models.registry import CATALOG
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    source = resolve(args.model)  # a bad model path fails now, in one line, before the socket opens
+    source = checked.source
     served = source.name if source.name in CATALOG else source.path.stem
     config = server_config(args, served)
     warn_about_key_flag(args)
@@ -92,8 +97,10 @@ def serve(args: argparse.Namespace, build_engine) -> int:
         with report.phase("imports"):
             from brisk.engine.async_engine import AsyncLLMEngine
             from brisk.loading.loader import load
-        loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=checked.max_model_len,
                       quantization=args.quantization, report=report)
+        if checked.chat_template is not None:
+            loaded.tokenizer.set_chat_template(checked.chat_template)
         with report.phase("engine"):
             engine = AsyncLLMEngine(build_engine(args, loaded))
         for line in report.lines():
@@ -111,15 +118,10 @@ def serve(args: argparse.Namespace, build_engine) -> int:
     except ValueError as e:
         raise BriskError(str(e)) from None
     app = create_app(state)
-    uv_config = uvicorn_config(app, config, args.host, args.port, log_level="warning",
+    uv_config = uvicorn_config(app, config, args.host, args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=config.shutdown_timeout_s + 5)
     server = BriskServer(uv_config, state)
     state.on_load_failed = server.fail
     log.info("listening on http://%s:%d (model loading; GET /ready)", args.host, args.port)
-    try:
-        asyncio.run(server.serve())
-    except OSError as e:  # port in use, no permission
-        raise BriskError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    if not server.started and server.exit_code == 0:
-        raise BriskError(f"cannot listen on {args.host}:{args.port} (is another server using the port?)")
+    asyncio.run(server.serve(sockets=[checked.sock]))  # bound by preflight: a busy port failed there
     return server.exit_code

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import threading
 import time
@@ -41,6 +40,12 @@ class RequestTimeoutError(RuntimeError):
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str = "smollm2-135m-instruct"
+    model_aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's --served-model-name A B)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to; responses carry the first."""
+        return (self.served_model_name, *[a for a in self.model_aliases if a != self.served_model_name])
     context_policy: ContextPolicy = ContextPolicy.REJECT
     max_queued_requests: int = 256
     request_timeout_s: float | None = None
@@ -58,6 +63,9 @@ class ServerConfig:
     header_timeout_s: float = 15.0  # a request head must arrive within this of connecting (or of the last response)
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
     max_connections: int = 1000  # open connections at most; past it a new one gets 503 and is closed
+    log_requests: bool = False  # one access-log line per request (brisk serve: on unless --disable-log-requests)
+    log_prompts: bool = False  # the prompt text in that line
+    log_stats_interval_s: float | None = None  # the periodic engine line (brisk serve: every 10 s while busy)
 
     def __post_init__(self):
         if self.max_queued_requests < 0:
@@ -99,6 +107,7 @@ class ServerState:
         self.engine: AsyncLLMEngine | None = None
         self.load_error: str | None = None
         self.started_ts = time.monotonic()
+        self.started_unix = time.time()  # the `created` of /v1/models
         self.ready_ts: float | None = None
         self.draining = False
         self.num_active = 0  # engine requests admitted and not yet finished

@@ -1,0 +1,141 @@
+"""`brisk serve`'s checks before anything heavy is imported or read: the model path and format,
+`--max-model-len` against the model's window, every engine flag, an explicit KV budget against
+one max-length sequence, and the port, which is bound here (so "listening" is never logged for
+a port that another process holds). Each failure is one BriskError line, exit 2, in about the
+time Python takes to start. Torch-free and FastAPI-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from brisk.errors import BriskError
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Preflight:
+    source: Any  # brisk.models.registry.ModelSource
+    config: dict[str, Any]  # the model's HF-style config
+    window: int  # the model's context window (max_position_embeddings)
+    max_model_len: int  # what the server will use
+    sock: socket.socket  # bound and listening
+    chat_template: str | None = None  # --chat-template's text, compiled once here to check it
+
+
+def model_config(source) -> dict[str, Any]:
+    """The HF-style config of a resolved model source, from its metadata alone."""
+    if source.kind == "gguf":
+        from brisk.loading.gguf_header import hf_config
+        from brisk.loading.gguf_header import read_gguf_metadata
+
+        return hf_config(read_gguf_metadata(source.path), True, str(source.path))
+    path = Path(source.path) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise BriskError(f"{path}: cannot read the model config ({e})") from None
+
+
+def check_window(args: argparse.Namespace, config: dict[str, Any], source: str) -> tuple[int, int]:
+    """(window, max_model_len); refuses a --max-model-len over the window."""
+    window = int(config.get("max_position_embeddings") or 2048)
+    wanted = args.max_model_len
+    if wanted is not None and wanted < 1:
+        raise BriskError(f"--max-model-len must be >= 1, got {wanted}")
+    if wanted is not None and wanted > window:
+        raise BriskError(f"--max-model-len {wanted} exceeds the model's context window of {window} tokens "
+                         f"({source}: max_position_embeddings); positions past it were never trained and brisk "
+                         f"has no RoPE-scaling override; use --max-model-len {window} or less")
+    return window, wanted or window
+
+
+def kv_dtype_bytes(args: argparse.Namespace) -> int | None:
+    """Bytes per KV element when it is known without torch: an explicit --dtype, or a CPU run
+    (float32). None on a machine that may have a GPU (auto picks bfloat16 there)."""
+    if args.dtype in _DTYPE_BYTES:
+        return _DTYPE_BYTES[args.dtype]
+    if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/proc/driver/nvidia/version")):
+        return 4
+    return None
+
+
+def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_len: int, source: str) -> None:
+    """With an explicit --kv-cache-memory: it must hold one max-length sequence (the engine's own
+    rule, checked now instead of after the weights have loaded)."""
+    from brisk.cli import engine_configs
+    from brisk.config import ModelConfig
+
+    cache, _ = engine_configs(args, max_model_len)  # every engine flag, validated
+    dtype_bytes = kv_dtype_bytes(args)
+    if cache.kv_cache_memory is None or dtype_bytes is None:
+        return
+    per_token = ModelConfig.from_hf_dict(config, source).kv_bytes_per_token(dtype_bytes)
+    cache.num_blocks(per_token, max_model_len, available_bytes=0)
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file, or the template itself; compiled now, so a syntax error is one
+    line at start, not a 500 on the first chat."""
+    if value is None:
+        return None
+    path = Path(value)
+    if len(value) < 4096 and path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BriskError(f"--chat-template {value}: cannot read it ({e})") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise BriskError(f"--chat-template {value[:80]!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
+    import jinja2
+
+    from brisk.tokenizer import compile_chat_template
+
+    try:
+        compile_chat_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise BriskError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return text
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: a port in use is an error before any loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BriskError(f"--host {host}: cannot resolve it ({e.strerror or e})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = " (is another server using it? pick another --port)" if e.errno == 98 else ""
+        raise BriskError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def preflight(args: argparse.Namespace) -> Preflight:
+    from brisk.models.registry import resolve
+
+    from brisk.config import ModelConfig
+
+    source = resolve(args.model)  # a missing or unreadable model: ModelLoadError, one line
+    config = model_config(source)
+    ModelConfig.from_hf_dict(config, str(source.path))  # an architecture brisk cannot run: one line, now
+    window, max_model_len = check_window(args, config, str(source.path))
+    check_kv_budget(args, config, max_model_len, str(source.path))
+    template = chat_template(args.chat_template)
+    return Preflight(source, config, window, max_model_len, bind(args.host, args.port), template)

@@ -1,0 +1,129 @@
+"""`brisk serve`'s start: every mistake fails before anything heavy (no torch, no FastAPI import,
+no weights read) as one line and exit 2; vLLM's flags mean what they mean there; the access and
+engine-stats log lines; GET /v1/models/{id} and model aliases with the official client."""
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from brisk.cli import build_parser, engine_configs
+from brisk.errors import BriskError
+from brisk.server.preflight import chat_template
+
+from live_server import serve_engine
+from test_engine_batching import make_engine
+
+
+def serve_fails(*argv: str, cwd=None) -> tuple[str, float, str]:
+    """Run `brisk serve ARGV` with -X importtime; returns (the error line, seconds, modules imported)."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "brisk", "serve", *argv],
+                          capture_output=True, text=True, timeout=60, cwd=cwd)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    imported = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("import time:"))
+    assert len(lines) <= 2 and "Traceback" not in proc.stderr, lines  # argparse: usage + the error line
+    return lines[-1], elapsed, imported
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-model-len", "16384"], "exceeds the model's context window of 8192 tokens"),
+    (["--max-model-len", "999999"], "context window of 8192"),  # the window, not "raise KV memory"
+    (["--kv-cache-memory", "1KB"], "cannot hold one max-length sequence"),
+    (["--model", "/nope/model.gguf"], "not found"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 0.95]"),
+    (["--kv-cache-dtype", "fp8"], "fp8 KV is not implemented"),
+    (["--chat-template", "{% if %}"], "--chat-template: line 1"),
+    (["--chat-template", "not-a-file.jinja"], "no such file, and not a Jinja template"),
+    (["--block-size", "4096"], "block_size must be in [1, 1024]"),
+    (["--max-model", "2048"], "unrecognized arguments: --max-model"),  # no silent abbreviations
+], ids=["over-window", "far-over-window", "kv-too-small", "no-model", "gpu-util", "fp8-kv", "template-syntax",
+        "template-missing", "block-size", "abbreviation"])
+def test_mistakes_fail_fast_in_one_line(argv, needle):
+    line, elapsed, imported = serve_fails(*argv)
+    assert needle in line, line
+    assert " torch" not in imported and "fastapi" not in imported  # nothing heavy was imported
+    assert elapsed <= 2.0, elapsed
+
+
+def test_not_a_gguf_file_fails_fast(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"this is not a model")
+    line, elapsed, imported = serve_fails("--model", str(bad))
+    assert "not a GGUF file" in line and " torch" not in imported and elapsed <= 2.0
+
+
+def test_a_port_in_use_fails_before_loading():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line, elapsed, imported = serve_fails("--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "another server" in line
+    assert " torch" not in imported and elapsed <= 2.0
+
+
+def parse_serve(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_vllm_flags_mean_what_they_mean_in_vllm():
+    for argv, enabled in (((), True), (("--enable-prefix-caching",), True), (("--no-enable-prefix-caching",), False),
+                          (("--no-prefix-caching",), False)):
+        cache, _ = engine_configs(parse_serve(*argv), 2048)
+        assert cache.enable_prefix_caching is enabled, argv
+    cache, _ = engine_configs(parse_serve("--gpu-memory-utilization", "0.3"), 2048)
+    assert cache.kv_cache_fraction == 0.3 and cache.kv_cache_memory is None
+    args = parse_serve("--served-model-name", "smol", "gpt-4o", "--uvicorn-log-level", "info",
+                       "--disable-log-requests")
+    assert args.served_model_name == ["smol", "gpt-4o"] and args.uvicorn_log_level == "info"
+    assert args.disable_log_requests is True
+    with pytest.raises(SystemExit):  # both ways of sizing the KV cache at once: argparse refuses
+        parse_serve("--kv-cache-memory", "1GiB", "--gpu-memory-utilization", "0.5")
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path, demo):
+    template = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert chat_template(str(path)) == template and chat_template(template) == template
+    with pytest.raises(BriskError, match="no such file"):
+        chat_template(str(tmp_path / "missing.jinja"))
+    tok = demo.tokenizer
+    original = tok.chat_template_source
+    try:
+        tok.set_chat_template(template)
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user:hi]"
+    finally:
+        tok.set_chat_template(original)
+
+
+def test_access_and_stats_lines_models_retrieve_and_aliases(demo, caplog):
+    caplog.set_level(logging.INFO)
+    with serve_engine(make_engine(demo), served_model_name="smol", model_aliases=("smol", "gpt-4o"),
+                      log_requests=True, log_stats_interval_s=0.2) as live:
+        client = live.openai()
+        card = client.models.retrieve("gpt-4o")  # the official SDK's models.retrieve
+        assert card.id == "gpt-4o" and [m.id for m in client.models.list().data] == ["smol", "gpt-4o"]
+        reply = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, extra_body={"ignore_eos": True})
+        assert reply.model == "smol"  # responses carry the first name
+        with live.client() as http:
+            assert http.get("/v1/models/nope").status_code == 404
+        deadline = time.monotonic() + 10
+        while not any(r.name == "brisk.stats" for r in caplog.records):
+            assert time.monotonic() < deadline, "no engine stats line"
+            time.sleep(0.1)
+    access = [r.getMessage() for r in caplog.records if r.name == "brisk.access"]
+    chat = next(line for line in access if "POST /v1/chat/completions" in line)
+    assert " 200 " in chat and f"prompt={reply.usage.prompt_tokens}" in chat and "completion=6" in chat
+    assert "ttft=" in chat and "total=" in chat and "prompt_text" not in chat  # no prompt text by default
+    assert any('"GET /v1/models/nope" 404' in line for line in access)
+    stats = next(r.getMessage() for r in caplog.records if r.name == "brisk.stats")
+    for needle in ("generation", "tok/s", "running", "waiting", "KV usage", "prefix-cache hits"):
+        assert needle in stats
