@@ -100,7 +100,7 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
     timings = []
     for i in range(1 + (3 if o.quick else 5)):  # the first request, then the steady samples it is judged by
         if i and budget.remaining() <= 0:
-            budget.skipped.append(f"cold start: steady samples after the {i}th")
+            budget.skipped.append(f"cold start: steady samples after the first {i} requests")
             break
         timings.append(p.stream_chat(o.model, SHORT_CHAT, 4, timeout_s=budget.timeout()))
     data["first_requests"] = [_timing_row(t) for t in timings]
