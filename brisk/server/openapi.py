@@ -27,7 +27,8 @@ _REASONS = {400: "Invalid request (the message names the field)", 401: "Missing 
             404: "Unknown model", 408: "The request body did not arrive in time (--body-timeout)",
             413: "Request body or prompt over the server's limits", 429: "Queue full; retry after Retry-After",
             503: "Model loading, engine stopped, or server draining", 504: "Ran past --request-timeout"}
-_BODY_ROUTES = {"/tokenize": (400, 404, 408, 413, 503),
+_BODY_ROUTES = {"/v1/models/{model_id}": (404,),
+                "/tokenize": (400, 404, 408, 413, 503),
                 "/detokenize": (400, 404, 408, 413, 503),
                 "/v1/chat/completions": (400, 404, 408, 413, 429, 503, 504),
                 "/v1/completions": (400, 404, 408, 413, 429, 503, 504)}
