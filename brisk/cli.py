@@ -38,8 +38,12 @@ def _add_engine_args(p) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="auto: the model's dtype (the only one brisk stores; fp8 is refused)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    from brisk.engine.scheduler import SchedulerConfig  # torch-free: the defaults live with the scheduler
+
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help=f"sequences batched per step (default {SchedulerConfig.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help=f"token budget per step (default {SchedulerConfig.max_num_batched_tokens})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV blocks of a common prompt prefix (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -28,10 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     eng.add_argument("--max-tokens", type=int, default=None,
                      help="max_tokens clients ask for when the trace has none (default: the rest of the window)")
-    eng.add_argument("--max-num-seqs", type=int, default=64, help="as brisk serve's flag (default 64, its default)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=512,
+    from brisk.engine.scheduler import SchedulerConfig  # torch-free: brisk serve's defaults, from one place
+
+    eng.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                     help=f"as brisk serve's flag (default {SchedulerConfig.max_num_seqs}, its default)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
                      help="as brisk serve's flag: the step's token budget; longer prompts are prefilled in chunks "
-                          "(default 512, its default)")
+                          f"(default {SchedulerConfig.max_num_batched_tokens}, its default)")
     eng.add_argument("--no-prefix-caching", action="store_true", help="as brisk serve's flag")
     eng.add_argument("--decode-tps", type=float, default=20.0,
                      help="generation speed per sequence, tokens/s: a step takes 1/decode-tps s (brisk bench's "
