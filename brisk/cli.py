@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the model id(s) clients send; responses carry the first (default: from MODEL)")
     model.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                       help="a Jinja chat template, as a file or inline, instead of the model's own")
+                       help="a Jinja chat template, as a file or inline, instead of the model's own; "
+                            "`chatml_tools` names the ChatML template with tool calling that brisk ships")
     _add_engine_args(srv.add_argument_group("KV cache and scheduler"))
     http = srv.add_argument_group("HTTP server")
     http.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")

@@ -10,6 +10,7 @@ from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import SchedulerConfig
 from brisk.loading.loader import load
+from brisk.structured.compiler import GrammarCompiler
 
 
 class LLM:
@@ -29,6 +30,8 @@ class LLM:
             seed=seed,
         )
         self.tokenizer = self.loaded.tokenizer
+        # structured outputs: SamplingParams(grammar=llm.grammars.compile(spec)), spec from brisk.structured.spec
+        self.grammars = GrammarCompiler(self.tokenizer.fast, self.loaded.config.vocab_size, self.tokenizer.eos_token_ids)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

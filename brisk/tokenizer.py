@@ -11,6 +11,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.decoders import DecodeStream
@@ -50,6 +51,12 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(source: str) -> frozenset[str]:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 class Tokenizer:
@@ -126,9 +133,16 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered template; the template itself places any BOS (HF semantics)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        extra = {"tools": tools} if tools else {}
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+    @property
+    def template_variables(self) -> set[str]:
+        """The variables the chat template reads (`tools` among them if it renders tool definitions)."""
+        return _template_variables(self.chat_template_source) if self.chat_template_source else set()
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (byte-level BPE pieces may be partial UTF-8)."""

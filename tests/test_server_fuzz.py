@@ -6,7 +6,10 @@ not list, a body or content type it does not describe, a schema-valid request re
 Bounded: each route gets a fixed number of positive and of negative examples. Positive
 chat/completion cases get a small max_tokens and are kept inside the context window,
 counted with the server's own /tokenize: the window is a property of the prompt's tokens,
-which no JSON schema can state (every other limit is in the document).
+which no JSON schema can state (every other limit is in the document). For the same reason
+a positive case's output constraint (a JSON schema, regex or grammar: whether it compiles is
+not a JSON-schema property) is replaced by a valid one, at most one per request, and tools
+are dropped (the fuzz server's chat template renders none: a documented 400).
 
 The examples are derandomized, so CI runs the same cases every time. To explore new cases,
 run with BRISK_FUZZ_RANDOM=1 as often as you like (a random run may draw no valid chat body
@@ -59,9 +62,37 @@ def test_openapi_document_passes_every_default_check(fuzz_server):
         assert {(route, "200"), (route, "400")} <= seen, seen
 
 
+VALID_CONSTRAINTS = {"guided_json": {"type": "object"}, "guided_regex": "[a-z]{1,3}", "guided_grammar": 'start: "ok"',
+                     "structured_outputs": {"choice": ["a", "b"]},
+                     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}
+
+
+def _valid_constraint(body: dict) -> None:
+    """At most one output constraint, and one that compiles (see the module's docstring)."""
+    body.pop("tools", None)
+    body.pop("tool_choice", None)
+    kept = False
+    for key in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs"):
+        if body.get(key) is None or (key == "response_format" and body[key].get("type") == "text"):
+            continue
+        if kept:
+            del body[key]
+        else:
+            kept = True
+            if key != "guided_choice":
+                body[key] = VALID_CONSTRAINTS[key]
+    if body.get("guided_whitespace_pattern") is not None:
+        if "guided_json" in body:
+            body["guided_whitespace_pattern"] = " "
+        else:
+            del body["guided_whitespace_pattern"]
+
+
 def _fits_window(case, http: httpx.Client) -> bool:
     """Bound a positive generation case's max_tokens, and say whether it fits the window."""
     body = case.body
+    _valid_constraint(body)
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), (int, float)):  # JSON Schema's integers include 3.0
             body[key] = min(int(body[key]), MAX_NEW)

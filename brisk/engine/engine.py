@@ -76,6 +76,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt, prompt=text)
         request.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
+        if params.grammar is not None:
+            request.grammar = params.grammar.matcher()
         self.scheduler.add_request(request)
         self._pending[request_id] = _Pending()
         self.num_prompt_tokens += len(ids)
@@ -92,6 +94,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})")
         if len(ids) + params.max_tokens > max_len:
             raise RequestError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
@@ -149,6 +154,8 @@ class LLMEngine:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif token in self.tokenizer.eos_token_ids and not params.ignore_eos:
             status = RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and self._grammar_done(request, token):
+            status = status or RequestStatus.FINISHED_STOPPED
         hit = find_stop(request.output_text + pending.text, params.stop, len(request.output_text)) if params.stop else None
         if hit is not None:
             idx, stop = hit
@@ -169,6 +176,16 @@ class LLMEngine:
             self.scheduler.finish(request, status)
             self._forget(request.request_id)
         return self._output(request, release, request.output_token_ids[old_len:])
+
+    @staticmethod
+    def _grammar_done(request: Request, token: int) -> bool:
+        """Advance the sequence's grammar; True once it admits no further token (the output is complete)."""
+        matcher = request.grammar
+        if not matcher.consume_token(token):  # the mask forbids this; only a bug gets here
+            log.warning("request %s: token %d rejected by its grammar (%s); ending it", request.request_id,
+                        token, matcher.get_error())
+            return True
+        return matcher.is_stopped()
 
     def _output(self, request: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
         return RequestOutput(

@@ -23,7 +23,7 @@ class ModelRunner:
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
                                loaded.dtype, loaded.device)
         self.scale = cfg.head_dim ** -0.5
-        self.sampler = Sampler(loaded.device, seed)
+        self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

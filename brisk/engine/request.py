@@ -70,6 +70,7 @@ class Request:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     detokenizer: Any = None
     stop_reason: str | int | None = None
+    grammar: Any = None  # this sequence's grammar matcher (structured outputs), or None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.engine.request import Request
+from brisk.structured.bitmask import GrammarMasker
 
 MIN_LOGPROB = -9999.0
 
@@ -21,8 +22,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.device = device
+        self.masker = GrammarMasker(eos_token_ids)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
@@ -45,6 +47,11 @@ class Sampler:
         for i, request in enumerate(requests):
             if request.params.needs_penalties:
                 _apply_penalties(logits[i], request)
+            if request.params.logit_bias:
+                _apply_logit_bias(logits[i], request.params.logit_bias)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:  # only these rows pay for a mask; the others' logits are untouched
+            self.masker.apply(logits, constrained, [requests[i].grammar for i in constrained])
         num_top = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
         logprobs_all = torch.log_softmax(logits, dim=-1) if num_top is not None else None
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -82,6 +89,11 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
     # finite so argmax, log_softmax and the JSON of logprobs stay well defined
     big = torch.finfo(row.dtype).max / 4
     row.nan_to_num_(nan=-big, posinf=big, neginf=-big)
+
+
+def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
+    row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
 
 
 def _filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Below this temperature, sampling is greedy: dividing logits by ~0 overflows to inf/NaN.
@@ -38,6 +39,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token, 0..20
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    # a brisk.structured.compiler.CompiledGrammar; each sequence gets its own matcher from it
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +59,9 @@ class SamplingParams:
              f"must be in [0, {MAX_LOGPROBS}]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("logit_bias", self.logit_bias is None or all(
+                isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+             "must map token ids to biases in [-100, 100]"),
         ]
         for name, ok, message in checks:
             if not ok:

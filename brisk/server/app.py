@@ -31,6 +31,9 @@ from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, Det
 from brisk.server.logs import EngineStatsLogger
 from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter, usage_block
 from brisk.server.state import RequestTimeoutError, ServerState, ShutdownError
+from brisk.structured.compiler import CompiledGrammar
+from brisk.structured.spec import GrammarSpec, from_request as grammar_spec
+from brisk.structured.tools import grammar as tool_grammar, plan as tool_plan
 from brisk.tokenizer import ChatTemplateError
 
 log = logging.getLogger("brisk.server")
@@ -159,12 +162,17 @@ def create_app(state: ServerState) -> FastAPI:
         messages = message_dicts(body.messages)
         _check_chars(state, _chat_chars(messages), "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
+        tok = state.tokenizer
+        tools = _spec(lambda: tool_plan(body, tok.chat_template_source, tok.template_variables))
+        spec = _spec(lambda: _one_constraint(grammar_spec(body), tool_grammar(tools) if tools else None))
+        tool_defs = tools.tools if tools else None
         guard = await _guard(state, lambda: guard_chat(
-            messages, lambda m: _encode_chat(state.tokenizer, m), max_tokens, state.max_model_len,
+            messages, lambda m: _encode_chat(tok, m, tools=tool_defs), max_tokens, state.max_model_len,
             state.config.context_policy))
         num_top = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body, guard.max_tokens, num_top)
-        fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs)
+        grammar = await _grammar(state, spec)
+        params = _sampling_params(body, guard.max_tokens, num_top, grammar)
+        fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None)
         return await _respond(state, raw, body, fmt, [guard], params)
 
     @app.post("/v1/completions")
@@ -177,7 +185,8 @@ def create_app(state: ServerState) -> FastAPI:
         guards = [await _guard(state, lambda ids=ids: guard_prompt(ids, body.max_tokens, state.max_model_len,
                                                                     state.config.context_policy))
                   for ids in prompts]
-        params = [_sampling_params(body, g.max_tokens, body.logprobs) for g in guards]
+        grammar = await _grammar(state, _spec(lambda: grammar_spec(body)))
+        params = [_sampling_params(body, g.max_tokens, body.logprobs, grammar) for g in guards]
         fmt = CompletionFormatter(_new_id("cmpl"), state, body.logprobs is not None, body.echo)
         return await _respond(state, raw, body, fmt, guards, params)
 
@@ -214,9 +223,10 @@ def _decode_checked(state: ServerState, ids: list[int]) -> str:
     return state.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def _encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     try:
-        return tok.encode_chat(messages, add_generation_prompt)
+        return tok.encode_chat(messages, add_generation_prompt, tools=tools)
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
 
@@ -257,7 +267,37 @@ async def _guard(state: ServerState, run: Callable[[], GuardResult]) -> GuardRes
         raise APIError(400, str(e), param=e.param, code=e.code) from None
 
 
-def _sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _one_constraint(output: GrammarSpec | None, tools: GrammarSpec | None) -> GrammarSpec | None:
+    if output is not None and tools is not None:
+        raise ParamError(output.field, "cannot constrain the output together with a forced tool call "
+                                       "(tool_choice required or a named function); keep one")
+    return output or tools
+
+
+def _spec(build: Callable[[], GrammarSpec | None]) -> GrammarSpec | None:
+    try:
+        return build()
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+
+
+async def _grammar(state: ServerState, spec: GrammarSpec | None) -> CompiledGrammar | None:
+    """Compile (or fetch from the cache) in a worker thread: never on the engine's step loop."""
+    if spec is None:
+        return None
+    try:
+        return await state.run_tokenizer(state.grammars.compile, spec)
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_grammar") from None
+
+
+def _logit_bias(body) -> dict[int, float] | None:
+    """OpenAI's string keys (checked to be token ids by the protocol) as ints."""
+    return {int(key): value for key, value in body.logit_bias.items()} if body.logit_bias else None
+
+
+def _sampling_params(body, max_tokens: int, logprobs: int | None, grammar: CompiledGrammar | None = None
+                     ) -> SamplingParams:
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     top_k = body.top_k
@@ -268,7 +308,9 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPar
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p,
             seed=body.seed, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, logprobs=logprobs)
+            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=_logit_bias(body),
+            grammar=grammar)
     except ParamError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from None
 

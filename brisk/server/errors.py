@@ -53,6 +53,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def _loc_to_param(loc: tuple) -> str | None:
     parts = [p for p in loc if p != "body"]
+    if "[key]" in parts:  # a bad dict key: name the dict (the key is quoted in the message)
+        parts = parts[:parts.index("[key]") - 1]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -111,7 +113,7 @@ def _field_message(error: dict, param: str | None) -> tuple[str | None, str]:
     if error.get("type") == "value_error":  # a validator's own message, which may name a sub-field
         text = str(error.get("ctx", {}).get("error", error.get("msg", "invalid value")))
         sub, sep, rest = text.partition(": ")
-        if sep and sub.isidentifier():
+        if sep and (sub.isidentifier() or (isinstance(got, dict) and sub in got)):
             param, text = (f"{param}.{sub}" if param else sub), rest
         return param, (f"{param}: {text}" if param else text)
     return param, f"{param}: {error.get('msg', 'invalid value')} (got {_shown(got)})"

@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextPolicy
 from brisk.server.middleware import PUBLIC_PATHS
-from brisk.server.protocol import CHOICES_MARK, MAX_TOKENS_MARK, TOKEN_ID_MARK, ErrorResponse
+from brisk.server.protocol import CHOICES_MARK, MAX_TOKENS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK, ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _STATUS_BODY = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
@@ -99,9 +99,34 @@ def _fill_limits(node: Any, state) -> None:
     ready = state.engine is not None
     if node.pop(TOKEN_ID_MARK, False) and ready:
         node["maximum"] = state.engine.engine.loaded.config.vocab_size - 1
+    names = node.get("propertyNames")
+    if isinstance(names, dict) and names.pop(TOKEN_ID_KEY_MARK, False):
+        # pydantic writes a constrained key as patternProperties, which lets other keys through:
+        # say instead that every key is a token id (inside the vocabulary once it is known)
+        (general, values), = node.pop("patternProperties").items()
+        node["propertyNames"] = {"pattern": below_pattern(state.engine.engine.loaded.config.vocab_size)
+                                 if ready else general}
+        node["additionalProperties"] = values
     if node.pop(MAX_TOKENS_MARK, False) and ready and state.config.context_policy is not ContextPolicy.CLAMP_MAX_TOKENS:
         node["maximum"] = state.max_model_len - 1  # a prompt has at least one token
     if node.pop(CHOICES_MARK, False) and ready:
         node["maximum"] = min(node.get("maximum", state.capacity), state.capacity)
     for value in node.values():
         _fill_limits(value, state)
+
+
+def below_pattern(n: int) -> str:
+    """A regex for the decimal integers 0 .. n-1, without leading zeros (n >= 1)."""
+    top = str(n - 1)
+    alternatives = ["[0-9]"] if len(top) > 1 else []
+    if len(top) > 2:
+        alternatives.append(f"[1-9][0-9]{{1,{len(top) - 2}}}")
+    for i, digit in enumerate(top):  # same length as n-1: equal up to i, smaller at i, anything after
+        low = "1" if i == 0 and len(top) > 1 else "0"
+        if digit > low:
+            high = chr(ord(digit) - 1)
+            rest = len(top) - i - 1
+            alternatives.append(top[:i] + (f"[{low}-{high}]" if high != low else low)
+                                + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return "^(" + "|".join(alternatives) + ")$"

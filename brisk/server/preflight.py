@@ -81,12 +81,18 @@ def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_
     cache.num_blocks(per_token, max_model_len, available_bytes=0)
 
 
+SHIPPED_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
 def chat_template(value: str | None) -> str | None:
-    """--chat-template: a file, or the template itself; compiled now, so a syntax error is one
-    line at start, not a 500 on the first chat."""
+    """--chat-template: a file, the name of a template brisk ships (`chatml_tools`), or the template
+    itself; compiled now, so a syntax error is one line at start, not a 500 on the first chat."""
     if value is None:
         return None
     path = Path(value)
+    shipped = SHIPPED_TEMPLATES / f"{value}.jinja"
+    if not path.is_file() and value.isidentifier() and shipped.is_file():
+        path = shipped
     if len(value) < 4096 and path.is_file():
         try:
             text = path.read_text(encoding="utf-8")

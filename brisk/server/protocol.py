@@ -1,5 +1,7 @@
-"""OpenAI request schemas (pydantic). Unknown fields are ignored, as OpenAI does; every
-range check names its field, so a bad value becomes a 400 that says which one.
+"""OpenAI request schemas (pydantic). Every range check names its field, so a bad value
+becomes a 400 that says which one. A top-level field brisk does not implement is refused
+with a 400 naming it (as OpenAI refuses unrecognized arguments), never silently ignored:
+it could change the result. Only `COSMETIC` fields pass unread.
 
 Validation is strict: no implicit coercion (`"stream": "yes"`, `"tokens": ["1"]` and
 `[[false]]` as token 0 are errors, not guesses), and every string must be valid Unicode
@@ -13,6 +15,8 @@ size, context window, capacity) are marked here and filled in by `brisk.server.o
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -23,6 +27,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Markers read by brisk.server.openapi, which replaces them with the loaded model's limits.
 TOKEN_ID_MARK = "x-brisk-token-id"
+TOKEN_ID_KEY_MARK = "x-brisk-token-id-key"
 MAX_TOKENS_MARK = "x-brisk-max-tokens"
 CHOICES_MARK = "x-brisk-choices"
 
@@ -58,10 +63,59 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode
 TokenId = _int(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 MaxTokens = _int(ge=1, json_schema_extra={MAX_TOKENS_MARK: True})
+# a token id written as a JSON object key (logit_bias); the pattern is narrowed to the vocabulary
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,8})$"
+
+
+def _token_id_key(key: str) -> str:
+    if not re.fullmatch(TOKEN_ID_KEY, key):
+        raise ValueError(f"key {key[:40]!r} is not a token id; send token ids as strings, e.g. {{\"50256\": -100}}")
+    return key
+
+
+# the pattern is in the schema (narrowed to the vocabulary by brisk.server.openapi) and checked by
+# the validator, whose message says what a key should be
+TokenIdKey = Annotated[str, AfterValidator(_token_id_key),
+                       Field(json_schema_extra={"pattern": TOKEN_ID_KEY, TOKEN_ID_KEY_MARK: True})]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# Fields that do not change what is generated: accepted (declared in _Sampling) and not read.
+COSMETIC = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
+            "guided_decoding_backend")
+# Fields of OpenAI's or vLLM's API that brisk does not implement, with what to do instead.
+UNSUPPORTED = {
+    "audio": "audio output is not supported (brisk serves text-only models); remove it",
+    "modalities": "only text output is supported; remove it",
+    "prediction": "predicted outputs are not supported; remove it",
+    "reasoning_effort": "brisk serves no reasoning-effort control; remove it",
+    "web_search_options": "web search is not supported; remove it",
+    "functions": "the legacy functions API is not supported; send `tools` instead",
+    "function_call": "the legacy functions API is not supported; send `tool_choice` instead",
+    "suffix": "insertion (suffix) is not supported; remove it",
+    "best_of": "best_of is not supported; use n and pick a choice yourself",
+    "use_beam_search": "beam search is not supported; remove it",
+    "min_tokens": "min_tokens is not supported; remove it or raise max_tokens",
+    "logits_processors": "custom logits processors are not supported; remove it",
+    "prompt_logprobs": "prompt logprobs are not supported; remove it",
+    "chat_template": "a per-request chat template is not supported; start the server with --chat-template",
+}
+
+
+def _refuse_unknown(model: type[BaseModel], data: Any) -> Any:
+    if isinstance(data, dict):
+        for key in data:
+            if key in model.model_fields:
+                continue
+            reason = UNSUPPORTED.get(key)
+            if reason is None:
+                reason = ("is not a field brisk implements, and ignoring it could change the result; remove it "
+                          "(the fields brisk accepts: GET /openapi.json)")
+            raise ValueError(f"{key}: {reason}")
+    return data
 
 
 class TextPart(_Request):
@@ -69,16 +123,82 @@ class TextPart(_Request):
     text: Text
 
 
+class FunctionCall(_Request):
+    name: NonEmptyText
+    arguments: Text  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: NonEmptyText
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: Text | None = None
+    # `schema` would shadow BaseModel.schema: the attribute is schema_, the JSON key "schema"
+    schema_: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` object: exactly one of its constraint fields."""
+
+    json_: Union[dict[str, Any], bool, Text, None] = Field(None, alias="json")  # `json` shadows BaseModel.json
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    whitespace_pattern: Text | None = None
+
+
 _CONTENT_RULE = {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
                            {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]}
+
+
+def _text_part_only(part: Any) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind is not None and kind != "text":
+        raise ValueError(f"content parts of type {kind!r} are not supported: brisk serves text-only models; "
+                         "send text parts only")
+    return part
 
 
 class ChatMessage(_Request):
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_CONTENT_RULE)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, list[TextPart], None] = None
+    content: Union[Text, list[Annotated[TextPart, BeforeValidator(_text_part_only)]], None] = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _content_required(self):
@@ -92,7 +212,10 @@ class StreamOptions(_Request):
 
 
 class _Sampling(_Request):
-    """Fields shared by chat and completions (OpenAI's names and ranges, plus vLLM's extras)."""
+    """Fields shared by chat and completions (OpenAI's names and ranges, plus vLLM's extras).
+    Any other top-level field is refused (`_refuse_unknown`; the schema says additionalProperties: false)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text | None = None
     n: Choices = 1
@@ -104,7 +227,15 @@ class _Sampling(_Request):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # cosmetic (COSMETIC): accepted, never read
     user: Text | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: Text | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    request_id: Text | None = None
+    guided_decoding_backend: Text | None = None
     # vLLM-style extensions
     top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)
@@ -112,6 +243,23 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     priority: Int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # OpenAI: token id (as a string) -> bias added to its logit
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* extras and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict[str, Any], bool, Text, None] = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        return _refuse_unknown(cls, data)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -120,6 +268,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -181,5 +332,18 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def _arguments(text: str) -> Any:
+    """Templates render a call's arguments with `tojson`: give them the object, not its JSON text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

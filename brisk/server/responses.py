@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from brisk.engine.outputs import RequestOutput
 from brisk.server.context_guard import GuardResult
+from brisk.structured.tools import StreamingToolParser, ToolPlan, parse as parse_tool_calls
 
 _TIMING_KEYS = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")
 
@@ -88,6 +89,11 @@ class ChatFormatter(Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, state, want_logprobs: bool, tools: ToolPlan | None = None):
+        super().__init__(response_id, state, want_logprobs)
+        self.tools = tools  # parse replies for tool calls (None: plain content)
+        self._parsers: dict[int, StreamingToolParser] = {}
+
     def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
@@ -110,19 +116,42 @@ class ChatFormatter(Formatter):
         return chunks
 
     def chunks(self, index, out, body):
-        return self._stream_chunk(index, out, body, bool(out.delta_text), lambda: {
-            "delta": {"content": out.delta_text} if out.delta_text else {},
-            "logprobs": self._logprobs(_delta_logprobs(out))})
+        if self.tools is None:
+            return self._stream_chunk(index, out, body, bool(out.delta_text), lambda: {
+                "delta": {"content": out.delta_text} if out.delta_text else {},
+                "logprobs": self._logprobs(_delta_logprobs(out))})
+        parser = self._parsers.setdefault(index, StreamingToolParser(self.tools))
+        content = parser.feed(out.delta_text)
+        if out.finished:
+            content += parser.finish()
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if out.finished and parser.calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(parser.calls)]
+        chunks = self._stream_chunk(index, out, body, bool(delta), lambda: {
+            "delta": delta, "logprobs": self._logprobs(_delta_logprobs(out))})
+        if out.finished and parser.calls:
+            chunks[-1]["choices"][0]["finish_reason"] = _finish_with_calls(out.finish_reason)
+        return chunks
 
     def full_response(self, finals, jobs, guards, usage):
         choices = []
         for index, *_ in jobs:
             out = finals[index]
-            choices.append({"index": index, "message": {"role": "assistant", "content": out.text, "refusal": None},
-                            "logprobs": self._logprobs(out.logprobs or []), "finish_reason": out.finish_reason,
-                            "stop_reason": out.stop_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": out.text, "refusal": None}
+            finish = out.finish_reason
+            if self.tools is not None:
+                message["content"], calls = parse_tool_calls(out.text, self.tools)
+                if calls:
+                    message["tool_calls"], finish = calls, _finish_with_calls(finish)
+            choices.append({"index": index, "message": message, "logprobs": self._logprobs(out.logprobs or []),
+                            "finish_reason": finish, "stop_reason": out.stop_reason})
         return self._envelope(self.object_full, choices, usage=usage, system_fingerprint=None,
                               brisk=guards[0].report())
+
+
+def _finish_with_calls(finish_reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself with calls (a cut one stays "length")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class CompletionFormatter(Formatter):

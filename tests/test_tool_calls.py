@@ -1,0 +1,181 @@
+"""Tool calls e2e with the official openai SDK: tools rendered through the chat template's
+`tools` variable, replies parsed into `tool_calls` (stream and non-stream), `required` and a
+named function enforced by the grammar, and a 400 naming the field where the template cannot
+render tools."""
+
+import copy
+import dataclasses
+import json
+
+import jsonschema
+import pytest
+
+from brisk.server.preflight import chat_template
+from brisk.structured.tools import StreamingToolParser, ToolPlan, parse
+
+from live_server import serve_engine
+from test_engine_batching import make_engine
+
+MODEL = "smollm2-135m-instruct"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(demo):
+    """The demo model with brisk's ChatML tools template (its own template has no `tools`), on a
+    copy of its tokenizer: the shared `demo` keeps its own template."""
+    tokenizer = copy.copy(demo.tokenizer)
+    tokenizer.set_chat_template(chat_template("chatml_tools"))
+    with serve_engine(make_engine(dataclasses.replace(demo, tokenizer=tokenizer))) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(tool_server):
+    return tool_server.openai()
+
+
+def _schema_of(name):
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def _check_calls(calls, names):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), _schema_of(call.function.name))
+
+
+@pytest.mark.parametrize("choice, names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+])
+def test_forced_tool_calls_are_valid(client, choice, names):
+    done = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                          temperature=0, max_tokens=120)
+    choice0 = done.choices[0]
+    assert choice0.finish_reason == "tool_calls", choice0
+    _check_calls(choice0.message.tool_calls, names)
+
+
+def test_streamed_tool_calls_match_non_stream(client):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls, finish, content = {}, None, ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and content == ""
+    assert [calls[i] for i in sorted(calls)] == [{"name": c.function.name, "arguments": c.function.arguments}
+                                                 for c in whole.message.tool_calls]
+
+
+def test_auto_returns_content_or_valid_calls(client):
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=80)
+        if not stream:
+            choice = client.chat.completions.create(**kw).choices[0]
+            calls, content, finish = choice.message.tool_calls, choice.message.content, choice.finish_reason
+        else:
+            content, finish, calls = "", None, []
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    content += c.delta.content or ""
+                    finish = c.finish_reason or finish
+                    calls += c.delta.tool_calls or []
+        if calls:
+            assert finish == "tool_calls"
+            for call in calls:
+                jsonschema.validate(json.loads(call.function.arguments), _schema_of(call.function.name))
+        else:
+            assert content and finish in ("stop", "length") and "<tool_call>" not in content.split("</tool_call>")[-1]
+
+
+def test_tool_results_go_back_through_the_template(client):
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=120).choices[0].message
+    call = first.tool_calls[0]
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    done = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=20)
+    assert done.choices[0].message.content and not done.choices[0].message.tool_calls
+    assert done.usage.prompt_tokens > 60  # the tools, the call and its result were all rendered
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+])
+def test_bad_tool_requests_are_400(tool_server, body, param):
+    with tool_server.client() as http:
+        r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_template_without_tools_is_400_naming_the_field(demo):
+    assert "tools" not in demo.tokenizer.template_variables  # SmolLM2's own template
+    with serve_engine(make_engine(demo)) as live, live.client() as http:
+        r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "--chat-template" in error["message"]
+
+
+# -- the parsers, on replies written by hand ---------------------------------------------
+HERMES = ToolPlan(TOOLS, "auto", None, True, "hermes")
+JSON_STYLE = ToolPlan(TOOLS, "auto", None, True, "json")
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, content, names", [
+    ("Just text.", "Just text.", []),
+    (CALL, None, ["get_time"]),
+    ("Let me check. " + CALL + "\n" + CALL, "Let me check.", ["get_time", "get_time"]),
+    ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', []),
+    ("<tool_call>{broken", "<tool_call>{broken", []),
+])
+def test_hermes_parse(text, content, names):
+    got_content, calls = parse(text, HERMES)
+    assert got_content == content and [c["function"]["name"] for c in calls] == names
+
+
+@pytest.mark.parametrize("text, content, names", [
+    ('{"name": "get_time", "parameters": {"timezone": "UTC"}}', None, ["get_time"]),
+    ('[{"name": "get_time", "arguments": {"timezone": "UTC"}}, {"name": "get_weather", "arguments": '
+     '{"city": "Oslo", "unit": "celsius"}}]', None, ["get_time", "get_weather"]),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ("Plain words.", "Plain words.", []),
+])
+def test_json_style_parse(text, content, names):
+    got_content, calls = parse(text, JSON_STYLE)
+    assert got_content == content and [c["function"]["name"] for c in calls] == names
+
+
+def test_streaming_parser_sends_text_and_holds_calls():
+    parser = StreamingToolParser(HERMES)
+    sent = "".join(parser.feed(piece) for piece in ["Let me ", "check. <tool", "_call>\n{\"name\": ", '"get_time", ',
+                                                      '"arguments": {"timezone": "UTC"}}\n</tool_call>'])
+    sent += parser.finish()
+    assert sent == "Let me check. " and [c["function"]["name"] for c in parser.calls] == ["get_time"]
+    parser = StreamingToolParser(HERMES)  # a "<" that turns out not to start a call is still sent
+    assert parser.feed("a <") == "a " and parser.feed("b") == "<b" and parser.finish() == ""
