@@ -4,6 +4,7 @@ logits for the rows that sample, and the sampler."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from brisk.engine.attention import AttentionMetadata, PagedKVCache, PrefillSeq, TorchPagedAttention
@@ -26,41 +27,56 @@ class ModelRunner:
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """Slots of positions start..end-1 (the step's new tokens: O(new tokens))."""
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _context_slots(self, tables: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slots of positions 0..length-1 of each row, flat [rows * max(lengths)], expanded from the
+        block tables by tensor ops (Python touches one int per block, not per token); padding
+        points at slot 0 (finite, never a sequence's) and the mask [rows, 1, 1, width] marks what is
+        real (None when no row is padded)."""
+        bs = self.block_size
+        width = max(lengths)
+        nb = -(-width // bs)
+        table = torch.from_numpy(np.array([t[:nb] if len(t) >= nb else t + [0] * (nb - len(t)) for t in tables],
+                                          dtype=np.int64))
+        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(tables), nb * bs)[:, :width]
+        mask = None
+        if min(lengths) < width:
+            valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+            slots = slots.masked_fill(~valid, 0)
+            mask = valid[:, None, None, :].to(self.device)
+        return slots.reshape(-1).to(self.device), mask
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         chunks = sorted(chunks, key=lambda c: c.num_tokens > 1)  # decodes first, order kept otherwise
         input_ids, positions, slot_mapping = [], [], []
-        decode_slots: list[list[int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
         prefills: list[PrefillSeq] = []
         sample_rows, sample_requests = [], []
         for chunk in chunks:
             req = chunk.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
             row = len(input_ids)
-            tokens = req.all_token_ids
-            input_ids += tokens[start:end]
+            input_ids += _tokens(req, start, end)
             positions += range(start, end)
             slot_mapping += self._slots(chunk.block_ids, start, end)
-            context = self._slots(chunk.block_ids, 0, end)
             if chunk.num_tokens == 1:
-                decode_slots.append(context)
+                decode_tables.append(chunk.block_ids)
+                decode_lengths.append(end)
             else:
-                prefills.append(PrefillSeq(row, chunk.num_tokens, torch.tensor(context, device=self.device), start))
+                context, _ = self._context_slots([chunk.block_ids], [end])
+                prefills.append(PrefillSeq(row, chunk.num_tokens, context, start))
             if end == req.num_tokens:  # the last known token: its logits give the next one
                 sample_rows.append(row + chunk.num_tokens - 1)
                 sample_requests.append(req)
         dev = self.device
         decode_slot_t = decode_mask = None
-        if decode_slots:
-            lengths = [len(s) for s in decode_slots]
-            width = max(lengths)
-            decode_slot_t = torch.tensor([x for s in decode_slots for x in s + [0] * (width - len(s))], device=dev)
-            if min(lengths) < width:  # rows of unequal length: mask the padding
-                lengths_t = torch.tensor(lengths, device=dev)
-                decode_mask = (torch.arange(width, device=dev)[None, :] < lengths_t[:, None])[:, None, None, :]
-        meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), len(decode_slots), decode_slot_t,
+        if decode_tables:
+            decode_slot_t, decode_mask = self._context_slots(decode_tables, decode_lengths)
+        meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), len(decode_tables), decode_slot_t,
                                  decode_mask, prefills)
         return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
                 sample_rows, sample_requests)
@@ -75,3 +91,14 @@ class ModelRunner:
             return [], None
         logits = self.model.compute_logits(hidden[sample_rows])
         return sample_requests, self.sampler(logits, sample_requests)
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    """Tokens start..end-1 of prompt + output, without concatenating the whole sequence."""
+    prompt = req.prompt_token_ids
+    p = len(prompt)
+    if start >= p:
+        return req.output_token_ids[start - p:end - p]
+    if end <= p:
+        return prompt[start:end]
+    return prompt[start:] + req.output_token_ids[:end - p]
