@@ -127,10 +127,12 @@ def test_doctor_quick_against_brisk_serve(demo, tmp_path, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], \
         [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert report["model"] == "smollm2-135m-instruct" and report["duration_s"] <= 60
-    # the one warning is the sample text's token cost, which the --sample-file asked about
+    # the warning is the sample text's token cost, which the --sample-file asked about
     assert statuses(report) == {**HEALTHY, "context": "warning"}, (
         report["findings"]["kv_batching"]["summary"], report["measurements"]["concurrency"])
-    assert report["findings"]["context"]["summary"].startswith("your sample text costs")
+    # the 135M demo model sometimes misses the early fact in the doctor's random 768-token filler: a true
+    # warning, which then comes first; the sample's cost must be reported either way
+    assert "your sample text costs" in report["findings"]["context"]["summary"]
     ctx = report["findings"]["context"]["evidence"]
     assert ctx["window"] == 1024 and ctx["exact_counts"] is True and ctx["overlong"] == "rejected"
     assert ctx["truncated_points"] == 0 and ctx["prefill_ms_per_1k_tokens"] > 0

@@ -83,7 +83,7 @@ def _valid_constraint(body: dict) -> None:
             if key != "guided_choice":
                 body[key] = VALID_CONSTRAINTS[key]
     if body.get("guided_whitespace_pattern") is not None:
-        if "guided_json" in body:
+        if body.get("guided_json") is not None:
             body["guided_whitespace_pattern"] = " "
         else:
             del body["guided_whitespace_pattern"]
