@@ -194,5 +194,10 @@ def test_streaming_parser_sends_text_and_holds_calls():
                                                       '"arguments": {"timezone": "UTC"}}\n</tool_call>'])
     sent += parser.finish()
     assert sent == "Let me check. " and [c["function"]["name"] for c in parser.calls] == ["get_time"]
+    parser = StreamingToolParser(HERMES)  # text between and after calls, and a malformed call, are content too
+    broken = "<tool_call>{broken</tool_call>"
+    sent = parser.feed("Hi. " + CALL + " then " + broken + CALL + " bye") + parser.finish()
+    assert sent.strip() == parse("Hi. " + CALL + " then " + broken + CALL + " bye", HERMES)[0]
+    assert "then" in sent and broken in sent and sent.endswith("bye") and len(parser.calls) == 2
     parser = StreamingToolParser(HERMES)  # a "<" that turns out not to start a call is still sent
     assert parser.feed("a <") == "a " and parser.feed("b") == "<b" and parser.finish() == ""

@@ -179,11 +179,11 @@ class StreamingToolParser:
         content, self.calls = parse(self.text, self.plan)
         if not self.calls:
             return self._release(len(self.text))
-        if self.plan.style == "hermes":  # content after the calls (before them was sent already)
-            tail = self.text[self.sent:]
-            _, _, after_last = tail.rpartition(CLOSE)
-            return after_last.strip()
-        return ""
+        # what the whole reply's content has beyond the text sent before the first call (text between
+        # or after the calls, a malformed call): streamed and whole replies carry the same content
+        sent = self.text[:self.sent].lstrip()
+        self.sent = len(self.text)
+        return (content or "")[len(sent):] if sent else (content or "")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
