@@ -173,10 +173,10 @@ class StructuredOutputs(_Request):
 
     json_: Union[dict[str, Any], bool, Text, None] = Field(None, alias="json")  # `json` shadows BaseModel.json
     json_object: bool | None = None
-    regex: Text | None = None
+    regex: NonEmptyText | None = None
     choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
-    grammar: Text | None = None
-    whitespace_pattern: Text | None = None
+    grammar: NonEmptyText | None = None
+    whitespace_pattern: NonEmptyText | None = None
 
 
 _CONTENT_RULE = {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
@@ -250,10 +250,10 @@ class _Sampling(_Request):
     # structured outputs: OpenAI's response_format, vLLM's guided_* extras and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: Union[dict[str, Any], bool, Text, None] = None
-    guided_regex: Text | None = None
+    guided_regex: NonEmptyText | None = None
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
-    guided_grammar: Text | None = None
-    guided_whitespace_pattern: Text | None = None
+    guided_grammar: NonEmptyText | None = None
+    guided_whitespace_pattern: NonEmptyText | None = None
     structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
