@@ -53,8 +53,6 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     def _llg_tokenizer(self):
         import llguidance
@@ -81,7 +79,6 @@ class GrammarCompiler:
             hit = self._cache.get(spec.key)
             if hit is not None:
                 self._cache.move_to_end(spec.key)
-                self.hits += 1
                 return hit
         import llguidance
 
@@ -93,7 +90,6 @@ class GrammarCompiler:
             raise GrammarError(spec.field, f"cannot be compiled: {_short(template.get_error())}")
         compiled = CompiledGrammar(spec, template, (time.perf_counter() - t0) * 1e3)
         with self._lock:
-            self.misses += 1
             self._cache[spec.key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
