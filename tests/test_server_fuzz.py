@@ -23,6 +23,7 @@ import schemathesis
 from hypothesis import HealthCheck, assume, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis import GenerationMode
+from schemathesis.config import SchemathesisConfig
 
 from brisk.config import CacheConfig
 from brisk.engine.engine import LLMEngine
@@ -44,7 +45,7 @@ def fuzz_server(demo):
 
 
 def test_openapi_document_passes_every_default_check(fuzz_server):
-    schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json", config=CHECKS)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/tokenize",
                                               "/detokenize", "/metrics", "/health", "/ready", "/v1/models"}
@@ -61,6 +62,11 @@ def test_openapi_document_passes_every_default_check(fuzz_server):
     for route in ("/v1/chat/completions", "/v1/completions"):
         assert {(route, "200"), (route, "400")} <= seen, seen
 
+
+# schemathesis' default statuses that count as rejecting invalid data, plus 413: the fuzzer
+# can build a body over --max-request-bytes, and refusing it for its size is a rejection
+CHECKS = SchemathesisConfig.from_dict({"checks": {"negative_data_rejection": {"expected-statuses": [
+    "400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]}}})
 
 VALID_CONSTRAINTS = {"guided_json": {"type": "object"}, "guided_regex": "[a-z]{1,3}", "guided_grammar": 'start: "ok"',
                      "structured_outputs": {"choice": ["a", "b"]},
