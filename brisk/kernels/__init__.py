@@ -1,6 +1,7 @@
 """brisk's compiled CPU kernels and their PyTorch reference.
 
-`quant_matmul.cpp` (weight-only int4/int8 matmuls, see its header) is a plain C library.
+`quant_matmul.cpp` (weight-only int4/int8 matmuls) and `paged_attention.cpp` (decode attention
+through block tables), see their headers, make one plain C library, `_kernels.so`.
 `make` builds it next to this file (`python -m brisk.kernels`), and so does `pip install` of a
 checkout (setup.py); an install without either builds it on first use into
 `$BRISK_CACHE/kernels/` when a C++ compiler is present. Without
@@ -20,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from brisk.kernels.build import SOURCE, build, source_tag
+from brisk.kernels.build import SOURCES, build, source_tag
 
 log = logging.getLogger("brisk.kernels")
 
 QK = 32  # weights per quantization block
-PACKAGE_LIB = Path(__file__).with_name("_quant_matmul.so")
+PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
@@ -44,6 +45,12 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.brisk_kernels_isa.restype = ctypes.c_int
     lib.brisk_kernels_force_scalar.argtypes = [ctypes.c_int]
     lib.brisk_kernels_force_scalar.restype = None
+    lib.brisk_paged_decode_attention.argtypes = [p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64,
+                                                 ctypes.c_float, i64, p]
+    lib.brisk_paged_decode_attention.restype = ctypes.c_int
+    lib.brisk_paged_attention_isa.restype = ctypes.c_int
+    lib.brisk_paged_attention_force_isa.argtypes = [ctypes.c_int]
+    lib.brisk_paged_attention_force_isa.restype = None
     return lib
 
 
@@ -59,7 +66,7 @@ def library() -> ctypes.CDLL | None:
     try:
         from brisk.loading.cache_dir import cache_dir
 
-        candidates.append(cache_dir() / "kernels" / f"quant_matmul-{source_tag()}.so")
+        candidates.append(cache_dir() / "kernels" / f"kernels-{source_tag()}.so")
     except Exception:  # an unusable cache dir is reported by the loader; here it only means no fallback build
         pass
     for path in candidates:
@@ -99,6 +106,41 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), bits, m, n, k,
                            xq, xd, xs, out.data_ptr())
     return out
+
+
+def attention_isa() -> str:
+    lib = library()
+    if lib is None:
+        return "torch-reference"
+    return {3: "avx512", 2: "avx2"}.get(lib.brisk_paged_attention_isa(), "portable")
+
+
+PART_TOKENS = 512  # context positions per work item; a row's parts are merged at the end
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                           scale: float, part_tokens: int = PART_TOKENS) -> torch.Tensor | None:
+    """One query per row attending to its context through its block table, in place in the cache.
+
+    q [rows, heads, dim]; k_cache/v_cache [slots, kv_heads, dim] float32 or bfloat16 (contiguous);
+    block_tables [rows, max_blocks] int32; context_lens [rows] int32. Returns [rows, heads * dim]
+    float32, or None where the kernel does not apply (no library, not CPU, another dtype or shape):
+    the caller then runs the torch path."""
+    lib = library()
+    if (lib is None or q.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
+            or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return None
+    rows, heads, dim = q.shape
+    qf = q.float().contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(rows, heads * dim, dtype=torch.float32)
+    code = lib.brisk_paged_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                            int(k_cache.dtype == torch.bfloat16), tables.data_ptr(),
+                                            tables.shape[1], lens.data_ptr(), rows, heads, k_cache.shape[1],
+                                            dim, block_size, scale, part_tokens, out.data_ptr())
+    return None if code else out
 
 
 _scratch_local = threading.local()
@@ -170,10 +212,11 @@ def main() -> int:
     try:
         build(PACKAGE_LIB)
     except subprocess.CalledProcessError as e:
-        print(f"brisk: building {SOURCE.name} failed:\n{e.stderr}", file=sys.stderr)
+        print(f"brisk: building the C++ kernels failed:\n{e.stderr}", file=sys.stderr)
         return 1
     except FileNotFoundError as e:
-        print(f"brisk: cannot build {SOURCE.name}: {e}; install g++ (apt-get install g++)", file=sys.stderr)
+        print(f"brisk: cannot build the C++ kernels ({', '.join(s.name for s in SOURCES)}): {e}; "
+              "install g++ (apt-get install g++)", file=sys.stderr)
         return 1
     print(f"built {PACKAGE_LIB}")
     return 0

@@ -10,13 +10,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("quant_matmul.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "quant_matmul.cpp", HERE / "paged_attention.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=x86-64", "-Wall"]
 
 
 def source_tag() -> str:
     """Names the source and flags a library was built from (written beside it as NAME.tag)."""
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def build(out: Path) -> Path:
@@ -25,10 +29,10 @@ def build(out: Path) -> Path:
     if compiler is None:
         raise FileNotFoundError("no C++ compiler (g++/c++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".quant_matmul-", suffix=".so", dir=out.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
         (out.parent / (out.name + ".tag")).write_text(source_tag())
     finally:

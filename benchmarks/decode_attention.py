@@ -1,0 +1,99 @@
+"""Decode attention for one layer at long contexts: --rows rows of ~--context tokens each (ragged),
+block tables scattered over the pool as the KV manager hands them out. Compares, in one run:
+
+  kernel   brisk/kernels/paged_attention.cpp, reading K/V in place through the block tables
+  torch    the reference path: index_select the context out of the cache, SDPA on the copy
+  bound    the time to read the rows' K/V bytes once at the machine's measured read bandwidth
+
+    .venv/bin/python benchmarks/decode_attention.py [--rows 64] [--context 2000] [--dtype float32]
+
+The default shape is the demo model's (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_speed import read_bandwidth_gbs  # noqa: E402
+
+from brisk import kernels  # noqa: E402
+from brisk.engine.attention import AttentionMetadata, PagedKVCache, TorchPagedAttention, block_tables  # noqa: E402
+
+
+def timed(fns: dict, repeat: int) -> dict[str, list[float]]:
+    """Runs the candidates interleaved (one of each per round), so that a noisy neighbour on this
+    shared machine slows them alike; returns each one's times."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2000)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    bs = args.block_size
+    lengths = [max(1, args.context - 7 * r) for r in range(args.rows)]  # ragged, as real batches are
+    per_row = [-(-n // bs) for n in lengths]
+    num_blocks = sum(per_row) + 1
+    pool = list(range(1, num_blocks))
+    random.Random(0).shuffle(pool)
+    tables, used = [], 0
+    for nb in per_row:
+        tables.append(pool[used:used + nb])
+        used += nb
+    cache = PagedKVCache(1, num_blocks * bs, args.kv_heads, args.head_dim, dtype, torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    q = torch.randn(args.rows, args.heads, args.head_dim, dtype=dtype)
+    table_t = block_tables(tables, lengths, bs)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), bs, table_t, lens, [])
+    scale = args.head_dim ** -0.5
+    torch_path = TorchPagedAttention(cache, meta, scale)
+    torch_path._gathered_decode(q, cache.k[0], cache.v[0])  # expands the slots once, as a step does
+
+    kv_bytes = sum(lengths) * args.kv_heads * args.head_dim * cache.k.element_size() * 2
+    bandwidth, how = read_bandwidth_gbs()
+    bound = kv_bytes / (bandwidth * 1e9)
+    times = timed({"kernel": lambda: kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs,
+                                                                    scale),
+                   "torch": lambda: torch_path._gathered_decode(q, cache.k[0], cache.v[0])}, args.repeat)
+    t_kernel, t_torch = (statistics.median(times[k]) for k in ("kernel", "torch"))
+    best_kernel, best_torch = (min(times[k]) for k in ("kernel", "torch"))
+    print(f"{args.rows} rows x ~{args.context} tokens ({sum(lengths)} in all), heads {args.heads}/{args.kv_heads}, "
+          f"head_dim {args.head_dim}, {args.dtype} KV, block size {bs}; threads {torch.get_num_threads()}, "
+          f"kernel ISA {kernels.attention_isa()}")
+    print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); K/V bytes per layer {kv_bytes / 2**20:.1f} MiB "
+          f"-> read-once bound {bound * 1e3:.2f} ms")
+    print(f"  kernel (in place):   median {t_kernel * 1e3:8.2f} ms per layer ({t_kernel / bound:5.2f}x the bound), "
+          f"best {best_kernel * 1e3:8.2f} ms ({best_kernel / bound:5.2f}x)")
+    print(f"  torch (gather+SDPA): median {t_torch * 1e3:8.2f} ms per layer ({t_torch / bound:5.2f}x the bound), "
+          f"best {best_torch * 1e3:8.2f} ms ({best_torch / bound:5.2f}x)")
+    print(f"  kernel speed-up over torch: {t_torch / t_kernel:.2f}x (medians), {best_torch / best_kernel:.2f}x (best)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+// Paged decode attention for brisk's CPU path: one query token per sequence attends to its
+// whole context through the sequence's block table, reading K/V where they lie in the cache
+// (no gathered copy of the context, unlike the torch reference in brisk/engine/attention.py).
+//
+// Layout (what brisk.engine.attention.PagedKVCache holds per layer):
+//   k_cache, v_cache  [num_slots, num_kv_heads, head_dim], float32 or bfloat16; slot = block * bs + offset
+//   q                 [rows, num_heads, head_dim] float32
+//   block_tables      [rows, max_blocks] int32; context_lens [rows] int32 (>= 1)
+//   out               [rows, num_heads * head_dim] float32
+// GQA: query head h reads kv head h / (num_heads / num_kv_heads), as SDPA's enable_gqa does.
+//
+// Work is split into items (row, part of its context): an item walks its positions in runs of
+// contiguous slots (within one block), reads each slot's K/V for all heads together (one
+// contiguous span of memory), and keeps an online softmax per query head (running max m, sum l,
+// weighted V sum); the parts of a row are then merged ("flash decoding"). Splitting the context
+// keeps every core busy when few rows are long.
+//
+// Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py). An AVX2+FMA item loop (head_dim a
+// multiple of 8) is picked at run time; other CPUs and shapes take the portable loop.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+constexpr int CHUNK = 32;      // tokens scored at once (at most one block's run of contiguous slots)
+constexpr int MAX_HEADS = 128;  // query heads
+constexpr int MAX_DIM = 256;
+
+struct Args {
+    const float* q;
+    const void* k_cache;
+    const void* v_cache;
+    const int32_t* block_tables;
+    const int32_t* context_lens;
+    int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+};
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+template <typename KV>
+__attribute__((always_inline)) inline void load_row(const KV* src, float* dst, int64_t d);
+
+template <>
+__attribute__((always_inline)) inline void load_row<float>(const float* src, float* dst, int64_t d) {
+    std::memcpy(dst, src, d * sizeof(float));
+}
+
+template <>
+__attribute__((always_inline)) inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t d) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+// One item: all query heads of `row` over positions [start, end), head h reading kv head h / G.
+// Leaves the un-normalised state in acc [H, D], m [H], l [H].
+// Portable version: plain loops (what CPUs without AVX2 run, and the model for the AVX2 one).
+template <typename KV>
+void item_portable(const Args& a, int64_t row, int64_t start, int64_t end, float* acc, float* m, float* l) {
+    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, bs = a.block_size;
+    const int64_t stride = a.num_kv_heads * D;  // elements between consecutive slots
+    const float* q = a.q + row * H * D;
+    const int32_t* table = a.block_tables + row * a.max_blocks;
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    float row_buf[MAX_DIM], qs[MAX_HEADS * MAX_DIM], s[MAX_HEADS][CHUNK];
+    for (int64_t g = 0; g < H; g++) {
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            acc[g * D + d] = 0.f;
+            qs[g * D + d] = q[g * D + d] * a.scale;
+        }
+    }
+    for (int64_t pos = start; pos < end;) {
+        const int64_t off = pos % bs;
+        const int64_t n = std::min<int64_t>({bs - off, end - pos, CHUNK});
+        const int64_t slot = (int64_t)table[pos / bs] * bs + off;
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t g = 0; g < H; g++) {
+                if (g % G == 0) load_row<KV>(kc + (slot + t) * stride + (g / G) * D, row_buf, D);
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; d++) dot += qs[g * D + d] * row_buf[d];
+                s[g][t] = dot;
+            }
+        }
+        for (int64_t g = 0; g < H; g++) {
+            float mx = m[g];
+            for (int64_t t = 0; t < n; t++) mx = std::max(mx, s[g][t]);
+            const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; t++) {
+                s[g][t] = std::exp(s[g][t] - mx);
+                sum += s[g][t];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = mx;
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t g = 0; g < H; g++) {
+                if (g % G == 0) load_row<KV>(vc + (slot + t) * stride + (g / G) * D, row_buf, D);
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] += s[g][t] * row_buf[d];
+            }
+        }
+        pos += n;
+    }
+}
+
+// ---------------------------------------------------------------- AVX2 + FMA (head_dim % 8 == 0)
+
+#define AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
+
+AVX2 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+AVX2 float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+AVX2 float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+// exp(x) for x <= 0 (scores minus their running max), 8 lanes: x = n ln2 + r with |r| <= ln2/2,
+// e^r by a degree-6 polynomial (relative error < 2e-7), 2^n through the exponent bits; below -87
+// (and for -inf) the result is 0.
+AVX2 __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.f);
+    const __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// The 8 horizontal sums of d[0..7], as one vector [sum d0, ..., sum d7].
+AVX2 __m256 hsum8x8(const __m256* d) {
+    const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+    const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// acc[0 .. 8W) = acc * corr + sum over t < n of p[t] * v[t * stride + (0 .. 8W)]
+template <typename KV, int W>
+AVX2 void accumulate_v(float* acc, const KV* v, const float* p, int64_t n, int64_t stride, __m256 corr) {
+    __m256 x[W];
+    for (int w = 0; w < W; w++) x[w] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * w), corr);
+    for (int64_t t = 0; t < n; t++) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        const KV* row = v + t * stride;
+        for (int w = 0; w < W; w++) x[w] = _mm256_fmadd_ps(pt, load8(row + 8 * w), x[w]);
+    }
+    for (int w = 0; w < W; w++) _mm256_storeu_ps(acc + 8 * w, x[w]);
+}
+
+template <typename KV>
+__attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int64_t row, int64_t start, int64_t end,
+                                                   float* acc, float* m, float* l) {
+    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, bs = a.block_size, V = D / 8;
+    const int64_t stride = a.num_kv_heads * D;
+    const float* q = a.q + row * H * D;
+    const int32_t* table = a.block_tables + row * a.max_blocks;
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    alignas(32) float qs[MAX_HEADS * MAX_DIM];
+    alignas(32) float s[MAX_HEADS][CHUNK];
+    const __m256 scale = _mm256_set1_ps(a.scale);
+    for (int64_t g = 0; g < H; g++) {
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+        for (int64_t v = 0; v < V; v++) {
+            _mm256_storeu_ps(acc + g * D + 8 * v, _mm256_setzero_ps());
+            _mm256_store_ps(qs + g * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * v), scale));
+        }
+    }
+    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t pos = start; pos < end;) {
+        const int64_t off = pos % bs;
+        const int64_t n = std::min<int64_t>({bs - off, end - pos, CHUNK});
+        const int64_t n8 = (n + 7) / 8;
+        const int64_t slot = (int64_t)table[pos / bs] * bs + off;
+        // the next run's K/V (another block, somewhere else in the pool): prefetched now, so
+        // that its reads overlap this run's math instead of waiting on the prefetchers' warm-up
+        if (pos + n < end) {
+            const int64_t next = pos + n, noff = next % bs;
+            const int64_t nn = std::min<int64_t>({bs - noff, end - next, CHUNK});
+            const int64_t nslot = (int64_t)table[next / bs] * bs + noff;
+            const char* kn = reinterpret_cast<const char*>(kc + nslot * stride);
+            const char* vn = reinterpret_cast<const char*>(vc + nslot * stride);
+            const int64_t bytes = nn * stride * (int64_t)sizeof(KV);
+            for (int64_t b = 0; b < bytes; b += 64) {
+                _mm_prefetch(kn + b, _MM_HINT_T0);
+                _mm_prefetch(vn + b, _MM_HINT_T0);
+            }
+        }
+        // scores of 8 tokens at a time for one head: 8 independent FMA chains, then one transposing
+        // reduction; tokens past the chunk read its last row and are then set to -inf (exp 0)
+        for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
+            const KV* kh = kc + slot * stride + kvh * D;
+            for (int64_t g = kvh * G; g < kvh * G + G; g++) {
+                const float* qg = qs + g * D;
+                for (int64_t t0 = 0; t0 < n; t0 += 8) {
+                    const KV* rows8[8];
+                    for (int j = 0; j < 8; j++) rows8[j] = kh + std::min<int64_t>(t0 + j, n - 1) * stride;
+                    __m256 d[8];
+                    for (int j = 0; j < 8; j++) d[j] = _mm256_mul_ps(_mm256_load_ps(qg), load8(rows8[j]));
+                    for (int64_t v = 1; v < V; v++) {
+                        const __m256 qv = _mm256_load_ps(qg + 8 * v);
+                        for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, load8(rows8[j] + 8 * v), d[j]);
+                    }
+                    __m256 sums = hsum8x8(d);
+                    if (n - t0 < 8) {
+                        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                        const __m256 past = _mm256_castsi256_ps(
+                            _mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)(n - t0 - 1))));
+                        sums = _mm256_blendv_ps(sums, neg_inf, past);
+                    }
+                    _mm256_store_ps(&s[g][t0], sums);
+                }
+            }
+        }
+        // online softmax, 8 scores at a time
+        for (int64_t g = 0; g < H; g++) {
+            __m256 mx8 = _mm256_set1_ps(m[g]);
+            for (int64_t c = 0; c < n8; c++) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(&s[g][8 * c]));
+            const float mx = hmax8(mx8);
+            const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
+            const __m256 mxv = _mm256_set1_ps(mx);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t c = 0; c < n8; c++) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[g][8 * c]), mxv));
+                _mm256_store_ps(&s[g][8 * c], p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            l[g] = l[g] * corr + hsum8(sum);
+            m[g] = mx;
+            // acc = acc * corr + sum_t p_t v_t, 8-wide slices of acc kept in registers, several
+            // at once so that the FMA chains overlap
+            const __m256 cv = _mm256_set1_ps(corr);
+            float* ag = acc + g * D;
+            const KV* vh = vc + slot * stride + (g / G) * D;
+            int64_t v0 = 0;
+            for (; v0 + 8 <= V; v0 += 8) accumulate_v<KV, 8>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
+            for (; v0 + 4 <= V; v0 += 4) accumulate_v<KV, 4>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
+            for (; v0 < V; v0++) accumulate_v<KV, 1>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
+        }
+        pos += n;
+    }
+}
+
+using ItemFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*, float*);
+
+int forced_isa = -1;  // -1: the best the CPU has; else at most 0 portable, 2 avx2 (tests pin a path)
+
+int attention_isa() {
+    static const int detected = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 2 : 0;
+    return forced_isa >= 0 ? std::min(forced_isa, detected) : detected;
+}
+
+ItemFn pick(bool bf16, int64_t head_dim) {
+    if (attention_isa() >= 2 && head_dim % 8 == 0) return bf16 ? item_avx2<uint16_t> : item_avx2<float>;
+    return bf16 ? item_portable<uint16_t> : item_portable<float>;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or a nonzero code for shapes the kernel does not take (the caller then uses the
+// torch path): 1 head_dim > 256, 2 more than 128 query heads, 3 heads not a multiple of kv heads.
+// part_tokens (<= 0: whole rows) must not depend on the batch: a row's result then depends on
+// its own data only, whatever else is in the batch (greedy batch invariance).
+int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
+                                 const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+                                 int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, int64_t part_tokens, float* out) {
+    if (head_dim > MAX_DIM) return 1;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 3;
+    if (num_heads > MAX_HEADS) return 2;
+    const int64_t H = num_heads, D = head_dim;
+    const Args a{q, k_cache, v_cache, block_tables, context_lens, max_blocks, num_heads, num_kv_heads,
+                 head_dim, block_size, scale};
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++) longest = std::max<int64_t>(longest, context_lens[r]);
+    if (part_tokens <= 0) part_tokens = longest;
+    const int64_t parts = (longest + part_tokens - 1) / part_tokens;
+    const int64_t items = rows * parts;  // item i: row i / parts, positions of part i % parts
+    const int64_t per_item = H * (D + 2);  // acc [H, D], m [H], l [H]
+    thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < items * per_item) scratch.resize(items * per_item);
+    float* state = scratch.data();
+    const ItemFn fn = pick(kv_bf16 != 0, head_dim);
+
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t row = i / parts, start = (i % parts) * part_tokens;
+        const int64_t end = std::min<int64_t>(start + part_tokens, context_lens[row]);
+        float* acc = state + i * per_item;
+        float* m = acc + H * D;
+        float* l = m + H;
+        if (start >= end) {
+            for (int64_t h = 0; h < H; h++) { m[h] = -std::numeric_limits<float>::infinity(); l[h] = 0.f; }
+            continue;
+        }
+        fn(a, row, start, end, acc, m, l);
+    }
+
+    // merge the parts of each (row, head): weights exp(m_p - max m) rescale each part's sums
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t row = 0; row < rows; row++) {
+        const float* first = state + row * parts * per_item;
+        for (int64_t h = 0; h < H; h++) {
+            float mx = -std::numeric_limits<float>::infinity();
+            for (int64_t p = 0; p < parts; p++) mx = std::max(mx, first[p * per_item + H * D + h]);
+            float* o = out + (row * H + h) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+            float total = 0.f;
+            for (int64_t p = 0; p < parts; p++) {
+                const float* st = first + p * per_item;
+                const float lp = st[H * D + H + h];
+                if (lp == 0.f) continue;  // an empty part (past this row's length)
+                const float w = std::exp(st[H * D + h] - mx);
+                total += w * lp;
+                for (int64_t d = 0; d < D; d++) o[d] += w * st[h * D + d];
+            }
+            const float inv = 1.f / total;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+    }
+    return 0;
+}
+
+int brisk_paged_attention_isa() { return attention_isa(); }
+
+void brisk_paged_attention_force_isa(int isa) { forced_isa = isa; }
+
+}  // extern "C"

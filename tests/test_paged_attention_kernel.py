@@ -1,0 +1,173 @@
+"""The compiled paged decode attention (brisk/kernels/paged_attention.cpp) against a float64
+reference that gathers each row's context out of the cache and runs SDPA on it: random block
+tables from a shuffled pool, ragged lengths (1 token, block edges, thousands), GQA groups,
+float32 and bfloat16 caches, odd block sizes, context split into parts or not, on every
+instruction-set path this CPU can run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brisk import kernels
+from brisk.engine.attention import (AttentionMetadata, KernelPagedAttention, PagedKVCache, PrefillSeq,
+                                    TorchPagedAttention, attention_backend, block_tables, context_slots)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = kernels.library()
+    assert lib is not None, "make builds brisk/kernels/_kernels.so; the kernel tests need it"
+    yield lib
+    lib.brisk_paged_attention_force_isa(-1)
+
+
+def scattered(lengths: list[int], bs: int, num_blocks: int, seed: int) -> list[list[int]]:
+    """Block tables as the KV manager hands them out: disjoint, shuffled, never block 0."""
+    rng = random.Random(seed)
+    pool = list(range(1, num_blocks))
+    rng.shuffle(pool)
+    tables, used = [], 0
+    for n in lengths:
+        blocks = -(-n // bs) + rng.randint(0, 1)  # a table may hold a block more than it uses
+        tables.append(pool[used:used + blocks])
+        used += blocks
+    assert used < num_blocks
+    return tables
+
+
+def reference(q, k, v, tables, lengths, bs, scale):
+    slots, mask = context_slots(tables, lengths, bs, CPU)
+    n, _, d = q.shape
+    kv_heads = k.shape[1]
+    keys = k.double().index_select(0, slots).view(n, -1, kv_heads, d).transpose(1, 2)
+    values = v.double().index_select(0, slots).view(n, -1, kv_heads, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.double().unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.reshape(n, -1)
+
+
+ISAS = {0: "portable", 2: "avx2"}
+
+
+@pytest.mark.parametrize("isa", sorted(ISAS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 16), (8, 8, 128, 16), (32, 4, 64, 7), (4, 1, 80, 1)])
+def test_kernel_matches_gathered_sdpa(lib, isa, dtype, heads, kv_heads, dim, bs):
+    lib.brisk_paged_attention_force_isa(isa)  # at most what the CPU has: a missing ISA runs the best one it has
+    rng = random.Random(heads * 1000 + bs)
+    lengths = [1, bs, bs + 1, 3 * bs] + [rng.randint(1, 1200) for _ in range(6)]
+    num_blocks = sum(-(-n // bs) + 1 for n in lengths) + 2
+    gen = torch.Generator().manual_seed(bs)
+    k = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    tables = block_tables(scattered(lengths, bs, num_blocks, seed=bs), lengths, bs)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    ref = reference(q, k, v, tables, lens, bs, dim ** -0.5)
+    for part in (0, 64, 512):  # one part per row, and rows split into parts merged at the end
+        out = kernels.paged_decode_attention(q, k, v, tables, lens, bs, dim ** -0.5, part_tokens=part)
+        assert out is not None and out.dtype == torch.float32
+        err = (out.double() - ref).abs().max().item()
+        assert err < 2e-5, (ISAS[isa], part, err)
+
+
+def test_kernel_reads_only_the_slots_its_block_tables_name(lib):
+    """Every slot outside the rows' tables (and past each row's length inside its last block)
+    holds NaN: one read of a wrong slot would turn the output NaN."""
+    bs, heads, kv_heads, dim = 16, 6, 2, 64
+    lengths = [5, 16, 33, 700, 1]
+    num_blocks = 80
+    tables = block_tables(scattered(lengths, bs, num_blocks, seed=1), lengths, bs)
+    k = torch.full((num_blocks * bs, kv_heads, dim), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    for row, n in enumerate(lengths):
+        slots = [int(tables[row, p // bs]) * bs + p % bs for p in range(n)]
+        k[slots] = torch.randn(n, kv_heads, dim)
+        v[slots] = torch.randn(n, kv_heads, dim)
+    q = torch.randn(len(lengths), heads, dim)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    out = kernels.paged_decode_attention(q, k, v, tables, lens, bs, 0.125, part_tokens=64)
+    assert torch.isfinite(out).all()
+    clean = torch.nan_to_num(k), torch.nan_to_num(v)
+    assert (out.double() - reference(q, *clean, tables, lens, bs, 0.125)).abs().max() < 2e-5
+
+
+def test_one_row_is_the_same_in_any_batch(lib):
+    """A row's result does not depend on the other rows (greedy batch invariance)."""
+    bs, heads, kv_heads, dim = 16, 9, 3, 64
+    lengths = [900, 13, 2000, 257]
+    num_blocks = 260
+    tables = block_tables(scattered(lengths, bs, num_blocks, seed=2), lengths, bs)
+    k, v = torch.randn(2, num_blocks * bs, kv_heads, dim)
+    q = torch.randn(len(lengths), heads, dim)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    batch = kernels.paged_decode_attention(q, k, v, tables, lens, bs, 0.125)
+    for row in range(len(lengths)):
+        alone = kernels.paged_decode_attention(q[row:row + 1], k, v, tables[row:row + 1, :-(-lengths[row] // bs)],
+                                               lens[row:row + 1], bs, 0.125)
+        assert torch.equal(alone[0], batch[row])
+
+
+def test_shapes_the_kernel_does_not_take_fall_back_to_torch(lib):
+    q = torch.randn(2, 4, 512)
+    k = v = torch.randn(32, 2, 512)
+    tables = torch.tensor([[1], [0]], dtype=torch.int32)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    assert kernels.paged_decode_attention(q, k, v, tables, lens, 16, 0.1) is None  # head_dim > 256
+    assert kernels.paged_decode_attention(q[..., :64], k[..., :64].half(), v[..., :64].half(), tables, lens, 16,
+                                          0.1) is None  # float16 cache
+    meta = AttentionMetadata(torch.tensor([0, 1]), 16, tables, lens, [])
+    cache = PagedKVCache(1, 32, 2, 512, torch.float32, CPU)
+    cache.k.normal_()
+    cache.v.normal_()
+    knew = torch.randn(2, 2, 512)
+    got = KernelPagedAttention(cache, meta, 0.1)(0, q, knew, knew)
+    want = TorchPagedAttention(cache, meta, 0.1)(0, q, knew, knew)
+    assert torch.equal(got, want)
+
+
+def test_kernel_backend_matches_the_torch_backend_on_a_mixed_step(lib):
+    """Decode rows and a prompt chunk over a cached prefix in one step, through the model-facing
+    callable: writes this step's K/V, then attends (the prompt chunk takes SDPA on both)."""
+    bs, heads, kv_heads, dim, blocks = 16, 9, 3, 64, 120
+    decode_lens = [40, 300, 1]
+    prefill_start, prefill_len = 50, 20
+    lengths = decode_lens + [prefill_start + prefill_len]
+    tables = scattered(lengths, bs, blocks, seed=5)
+    outs = []
+    for backend in (TorchPagedAttention, KernelPagedAttention):
+        torch.manual_seed(0)
+        cache = PagedKVCache(2, blocks * bs, kv_heads, dim, torch.float32, CPU)
+        cache.k.normal_()
+        cache.v.normal_()
+        new_slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(decode_lens)]
+        new_slots += [tables[3][p // bs] * bs + p % bs for p in range(prefill_start, prefill_start + prefill_len)]
+        ptable = block_tables(tables[3:], lengths[3:], bs)
+        pslots, _ = context_slots(ptable, torch.tensor(lengths[3:]), bs, CPU)
+        meta = AttentionMetadata(torch.tensor(new_slots), bs, block_tables(tables[:3], decode_lens, bs),
+                                 torch.tensor(decode_lens, dtype=torch.int32),
+                                 [PrefillSeq(3, prefill_len, pslots, prefill_start)])
+        n = len(new_slots)
+        q, k, v = torch.randn(3, n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+        attention = backend(cache, meta, dim ** -0.5)
+        outs.append(torch.stack([attention(layer, q[layer], k, v) for layer in range(2)]))
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+
+
+def test_backend_choice(lib, monkeypatch):
+    monkeypatch.delenv("BRISK_ATTENTION", raising=False)
+    assert attention_backend(CPU, torch.float32) is KernelPagedAttention
+    assert attention_backend(CPU, torch.bfloat16) is KernelPagedAttention
+    assert attention_backend(CPU, torch.float16) is TorchPagedAttention
+    assert attention_backend(torch.device("cuda"), torch.float32) is TorchPagedAttention
+    monkeypatch.setenv("BRISK_ATTENTION", "torch")
+    assert attention_backend(CPU, torch.float32) is TorchPagedAttention
+    monkeypatch.setenv("BRISK_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="BRISK_ATTENTION='fast'"):
+        attention_backend(CPU, torch.float32)
