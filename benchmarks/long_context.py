@@ -7,6 +7,7 @@ greedy, ignore_eos:
      decode-heavy)
   c  RAG: one shared ~1,000-token document + a unique question, 32 streams, 64 requests,
      64-token replies (prefix caching's case: TTFT is the figure)
+--half halves the streams and requests of a and b and the requests of c.
 
 Systems (each started here on 127.0.0.1 and stopped after its runs, one at a time):
   brisk          `brisk serve` on the demo model, decode attention on the compiled kernel
@@ -18,7 +19,7 @@ Prompts are English-like word sequences from a fixed seed (every system gets the
 the table reports the prompt tokens each server counted. Prints the machine's read bandwidth.
 
     .venv/bin/python benchmarks/long_context.py [--workloads a,b,c] [--systems brisk,brisk-torch,llama-server]
-        [--llama-server PATH] [--scale 1.0]
+        [--llama-server PATH] [--scale 1.0] [--half]
 """
 
 from __future__ import annotations
@@ -62,22 +63,27 @@ class Workload:
     requests: list[BenchRequest]
 
 
-def workloads(scale: float) -> dict[str, Workload]:
-    # ~1.1 tokens per word in the demo tokenizer, chat template included
-    rng = random.Random(0)
+def workloads(scale: float, half: bool) -> dict[str, Workload]:
+    """`half`: half the streams and requests of a and b, half the requests of c (a 2-core machine
+    prefills ~250 tokens/s of the demo model at full load: the full set is ~25 minutes per system)."""
+    rng = random.Random(0)  # ~1.1 tokens per word in the demo tokenizer, chat template included
+    k = 2 if half else 1
 
     def chat(content: str, max_tokens: int) -> BenchRequest:
         return BenchRequest(messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
                             extra={"ignore_eos": True, "temperature": 0})
 
-    a = [chat(f"Summarize this text:\n{text(int(1350 * scale), rng)}", 64) for _ in range(32)]
-    b = [chat(f"Continue this text:\n{text(int(1720 * scale), rng)}", 128) for _ in range(64)]
+    a = [chat(f"Summarize this text:\n{text(int(1350 * scale), rng)}", 64) for _ in range(32 // k)]
+    b = [chat(f"Continue this text:\n{text(int(1720 * scale), rng)}", 128) for _ in range(64 // k)]
     document = text(int(900 * scale), rng)
     c = [chat(f"Document:\n{document}\n\nQuestion {i}: what does the document say about "
-              f"{rng.choice(WORDS)} and {rng.choice(WORDS)}?", 64) for i in range(64)]
-    return {"a": Workload("a: 16 streams, unique ~1.5k-token prompts", 16, a),
-            "b": Workload("b: 64 streams, ~1.9k-token prompts + 128 generated", 64, b),
-            "c": Workload("c: RAG, shared ~1k-token document, 32 streams", 32, c)}
+              f"{rng.choice(WORDS)} and {rng.choice(WORDS)}?", 64) for i in range(64 // k)]
+    return {"a": Workload(f"a: {16 // k} streams, {len(a)} requests, unique ~1.5k-token prompts, 64 generated",
+                          16 // k, a),
+            "b": Workload(f"b: {64 // k} streams, {len(b)} requests, ~1.9k-token prompts + 128 generated",
+                          64 // k, b),
+            "c": Workload(f"c: RAG, shared ~1k-token document, 32 streams, {len(c)} requests, 64 generated",
+                          32, c)}
 
 
 def command(system: str, port: int, args) -> tuple[list[str], dict]:
@@ -130,6 +136,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help="path of a native llama-server build")
     parser.add_argument("--kv-cache-memory", default="8GiB", help="brisk's KV pool (64 x 2,100 tokens fit)")
     parser.add_argument("--scale", type=float, default=1.0, help="prompt length factor (a quick check: 0.2)")
+    parser.add_argument("--half", action="store_true", help="half the streams/requests (see workloads())")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "brisk-long-context")
     args = parser.parse_args()
     systems = args.systems.split(",")
@@ -137,7 +144,7 @@ def main() -> None:
         parser.error("--llama-server PATH is needed to run llama-server (see this script's docstring)")
     args.work.mkdir(parents=True, exist_ok=True)
     chosen = args.workloads.split(",")
-    loads = workloads(args.scale)
+    loads = workloads(args.scale, args.half)
     bandwidth, how = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); {os.cpu_count()} CPUs")
     for key in chosen:

@@ -239,3 +239,41 @@ def test_context_slots_expand_block_tables_like_the_per_token_reference():
         assert mask[row, 0, 0].tolist() == [True] * n + [False] * (width - n)
     one, no_mask = context_slots(block_tables(tables[:1], lengths[:1], bs), torch.tensor(lengths[:1]), bs, cpu)
     assert no_mask is None and one.tolist() == slots[0, :lengths[0]].tolist()
+
+
+def _all_outputs(engine, prompt, params):
+    engine.add_request(prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+def test_delta_outputs_cost_o_of_l_and_carry_the_same_result(demo, prompts64):
+    """With output_kind="delta" a step's output holds only the new token (and its logprobs); the
+    whole output, logprobs and timings come once, on the final output. The elements the engine
+    copies into outputs over a request of L tokens are O(L), against L(L+1)/2 cumulative."""
+    length = 48
+    engine = make_engine(demo)
+    common = dict(max_tokens=length, temperature=0, ignore_eos=True, logprobs=2)
+    cumulative = _all_outputs(engine, prompts64[0], SamplingParams(**common))
+    delta = _all_outputs(engine, prompts64[0], SamplingParams(**common, output_kind="delta"))
+    assert len(delta) == len(cumulative) == length
+
+    def copied(outs):
+        return sum(len(o.token_ids) + len(o.logprobs or []) + len(o.metrics) for o in outs)
+
+    final_metrics = len(delta[-1].metrics)
+    assert copied(delta) == 2 * length + final_metrics  # the final output's token ids and logprobs only
+    assert copied(cumulative) >= length * (length + 1)
+    assert all(o.token_ids == [] and o.logprobs is None and o.metrics == {} for o in delta[:-1])
+    assert [t for o in delta for t in o.delta_token_ids] == delta[-1].token_ids == cumulative[-1].token_ids
+    assert [lp for o in delta for lp in o.delta_logprobs] == delta[-1].logprobs == cumulative[-1].logprobs
+    assert "".join(o.delta_text for o in delta) == delta[-1].text == cumulative[-1].text
+    assert [o.num_output_tokens for o in delta] == list(range(1, length + 1))
+    assert delta[-1].metrics.keys() == cumulative[-1].metrics.keys()
+
+
+def test_output_kind_is_validated():
+    with pytest.raises(SamplingParamsError, match="output_kind: must be one of cumulative, delta, got 'final'"):
+        SamplingParams(output_kind="final")

@@ -40,7 +40,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.engine_niceness = engine_niceness_from_env() if engine_niceness is None else engine_niceness
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its consumer's loop, the queue its outputs go to, the tag they carry)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
         self._wakeup = threading.Event()
         self._stopped = False
         self.error: BaseException | None = None
@@ -51,13 +52,41 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return not self._stopped and self.error is None
 
+    # -- what a server needs to know of the engine (read-only, fixed after start) ----------------
+    @property
+    def loaded(self):
+        """The loaded model (config, dtype, device, load report)."""
+        return self.engine.loaded
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.loaded.config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler_config.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler_config.max_num_seqs
+
     # -- public API (event-loop side) ----------------------------------------
     async def add(self, prompt: str | list[int], params: SamplingParams | None = None,
                   request_id: str | None = None, priority: int = 0,
-                  cache_salt: str | None = None) -> "RequestStream":
-        """Add a request (raising its validation error here) and return its output stream."""
-        outputs: asyncio.Queue = asyncio.Queue()
-        request_id = await self._call("add", (prompt, params, request_id, priority, cache_salt), outputs)
+                  cache_salt: str | None = None, sink: tuple[asyncio.Queue, Any] | None = None) -> "RequestStream":
+        """Add a request (raising its validation error here) and return its output stream.
+
+        With `sink` = (queue, tag), the outputs (and a failure, as an exception) go straight into
+        that queue as (tag, item) pairs instead: one queue can merge several requests (the `n`
+        choices of an HTTP request) with no task per request in between. The returned stream is
+        then only the handle to close (abort) it; call `mark_done()` once its final item arrived."""
+        outputs: asyncio.Queue = asyncio.Queue() if sink is None else sink[0]
+        tag = _UNTAGGED if sink is None else sink[1]
+        request_id = await self._call("add", (prompt, params, request_id, priority, cache_salt), (outputs, tag))
         return RequestStream(self, request_id, outputs)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -93,7 +122,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         self._thread.join(timeout=30)
 
-    async def _call(self, kind: str, payload: Any, outputs: asyncio.Queue | None):
+    async def _call(self, kind: str, payload: Any, outputs: tuple[asyncio.Queue, Any] | None):
         if not self.is_alive:
             raise self._dead_error()
         loop = asyncio.get_running_loop()
@@ -132,26 +161,26 @@ class AsyncLLMEngine:
                 except Exception as e:  # validation errors go back to the caller
                     _reply(reply, None, e)
                     continue
-                self._streams[rid] = (reply[0], outputs)
+                self._streams[rid] = (reply[0], *outputs)
                 _reply(reply, rid, None)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         self.engine.abort(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, error)
+            loop, outputs, tag = stream
+            loop.call_soon_threadsafe(_deliver, [(outputs, tag, error)])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their event loops: one wake-up per loop per step, not one per
         output (each `call_soon_threadsafe` writes to the loop's self-pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            loop, queue_ = stream
-            by_loop.setdefault(loop, []).append((queue_, out))
+            loop, queue_, tag = stream
+            by_loop.setdefault(loop, []).append((queue_, tag, out))
             if out.finished:
                 self._streams.pop(out.request_id, None)
         for loop, items in by_loop.items():
@@ -173,8 +202,8 @@ class AsyncLLMEngine:
         finally:
             self._stopped = True
             error = self._dead_error()
-            for loop, outputs in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put_nowait, error)
+            for loop, outputs, tag in self._streams.values():
+                loop.call_soon_threadsafe(_deliver, [(outputs, tag, error)])
             self._streams.clear()
             self._drain_commands()
 
@@ -211,6 +240,10 @@ class RequestStream:
             self.done = True
         return item
 
+    def mark_done(self) -> None:
+        """Its final output (or failure) was received through a sink: closing has nothing to abort."""
+        self.done = True
+
     def close(self) -> None:
         if not self.done:
             self.done = True
@@ -239,9 +272,12 @@ def _yield_cpu_to_io(niceness: int) -> None:
         log.warning("could not lower the engine thread's priority: %s", e)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue_, out in items:
-        queue_.put_nowait(out)
+_UNTAGGED = object()  # a stream's own queue: items go in bare, not as (tag, item)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any, RequestOutput | BaseException]]) -> None:
+    for queue_, tag, item in items:
+        queue_.put_nowait(item if tag is _UNTAGGED else (tag, item))
 
 
 def _resolve(future: asyncio.Future, value, error) -> None:

@@ -16,7 +16,7 @@ from brisk.config import CacheConfig
 from brisk.engine.kv_cache.manager import KVCacheManager
 from brisk.engine.memory import available_memory
 from brisk.engine.model_runner import ModelRunner
-from brisk.engine.outputs import RequestOutput, find_stop, held_back_length
+from brisk.engine.outputs import RequestOutput, find_stop, held_back_length, stop_window
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import ParamError, SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerConfig
@@ -156,11 +156,14 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and self._grammar_done(request, token):
             status = status or RequestStatus.FINISHED_STOPPED
-        hit = find_stop(request.output_text + pending.text, params.stop, len(request.output_text)) if params.stop else None
+        hit = None
+        if params.stop:  # search the new text and the tail a stop string could have started in
+            tail = request.output_text[max(0, len(request.output_text) - stop_window(params.stop)):]
+            hit = find_stop(tail + pending.text, params.stop, len(tail))
         if hit is not None:
             idx, stop = hit
             end = idx + len(stop) if params.include_stop_str_in_output else idx
-            pending.text = (request.output_text + pending.text)[len(request.output_text):end]
+            pending.text = (tail + pending.text)[len(tail):end]
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         elif status is None and (request.num_output_tokens >= params.max_tokens
                                  or request.num_tokens >= self.scheduler_config.max_model_len):
@@ -188,13 +191,20 @@ class LLMEngine:
         return matcher.is_stopped()
 
     def _output(self, request: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        finished = request.status.finished
+        whole = finished or request.params.output_kind == "cumulative"
+        logprobs = delta_logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = request.logprobs if whole else None
+            delta_logprobs = request.logprobs[len(request.logprobs) - len(delta_ids):]
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            text=request.output_text, token_ids=list(request.output_token_ids), delta_text=delta_text,
-            delta_token_ids=delta_ids, finished=request.status.finished, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason, logprobs=request.logprobs if request.params.logprobs is not None else None,
+            text=request.output_text, token_ids=list(request.output_token_ids) if whole else [],
+            delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-            metrics=self._metrics(request),
+            metrics=self._metrics(request) if whole else {}, num_output_tokens=len(request.output_token_ids),
+            delta_logprobs=delta_logprobs,
         )
 
     @staticmethod

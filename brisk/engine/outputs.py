@@ -8,19 +8,30 @@ from typing import Any
 
 @dataclass
 class RequestOutput:
+    """One request's progress after a step. With SamplingParams.output_kind "delta", the fields
+    marked (*) are filled on the final output only (empty before): a step then costs O(new
+    tokens), not O(output so far)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str  # all text released so far
-    token_ids: list[int]
+    text: str  # all text released so far (a reference to an immutable string: no copy)
+    token_ids: list[int]  # (*) all output tokens
     delta_text: str  # text released by this step
     delta_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None  # (*) one entry per output token, when asked for
     num_cached_prompt_tokens: int = 0
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)  # (*) phase timings
+    num_output_tokens: int = 0  # output tokens so far (len(token_ids) when cumulative or final)
+    delta_logprobs: list[dict[str, Any]] | None = None  # the logprobs of delta_token_ids, when asked for
+
+
+def stop_window(stops: list[str]) -> int:
+    """Characters of already-released text a new stop-string match can start in."""
+    return max(map(len, stops)) - 1
 
 
 def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "delta")
 # Below this temperature, sampling is greedy: dividing logits by ~0 overflows to inf/NaN.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -42,6 +43,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     # a brisk.structured.compiler.CompiledGrammar; each sequence gets its own matcher from it
     grammar: Any = None
+    # What each step's RequestOutput carries (vLLM's RequestOutputKind): "cumulative" (token_ids,
+    # logprobs and metrics of the whole output so far, on every step: O(L) per step), or "delta"
+    # (only what is new, O(1) per step; token_ids and metrics come once, on the final output).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +67,7 @@ class SamplingParams:
             ("logit_bias", self.logit_bias is None or all(
                 isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              "must map token ids to biases in [-100, 100]"),
+            ("output_kind", self.output_kind in OUTPUT_KINDS, f"must be one of {', '.join(OUTPUT_KINDS)}"),
         ]
         for name, ok, message in checks:
             if not ok:

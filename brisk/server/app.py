@@ -215,7 +215,7 @@ def _check_token_ids(state: ServerState, count: int, param: str) -> None:
 
 def _decode_checked(state: ServerState, ids: list[int]) -> str:
     """/detokenize's work (in a worker thread): ids inside the vocabulary, then the text."""
-    vocab = state.engine.engine.loaded.config.vocab_size
+    vocab = state.engine.vocab_size
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"tokens[{bad}]: token id {ids[bad]} is outside the vocabulary [0, {vocab})",
@@ -248,7 +248,7 @@ async def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
         return await state.run_tokenizer(lambda: [tok.encode(t) for t in texts])
     prompts = [prompt] if isinstance(prompt[0], int) else prompt
     _check_token_ids(state, sum(len(p) for p in prompts), "prompt")
-    vocab = state.engine.engine.loaded.config.vocab_size
+    vocab = state.engine.vocab_size
     for i, ids in enumerate(prompts):
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -310,7 +310,7 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None, grammar: Compi
             frequency_penalty=body.frequency_penalty, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=_logit_bias(body),
-            grammar=grammar)
+            grammar=grammar, output_kind="delta")
     except ParamError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from None
 
@@ -401,8 +401,8 @@ class _Run:
         self.state, self.engine, self.fmt, self.guards, self.jobs, self.body = state, engine, fmt, guards, jobs, body
         self.raw = raw
         self.started = False
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
+        self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, output or failure), every choice's
+        self.streams: dict[int, Any] = {}  # choice index -> its engine request's handle
         self.finals: dict[int, RequestOutput] = {}
         self.generated: dict[int, int] = {}  # tokens streamed so far per choice (the trace of an abort)
         self.timer: asyncio.TimerHandle | None = None
@@ -412,22 +412,19 @@ class _Run:
 
     async def start(self) -> None:
         """Add every engine request (validation errors surface here, before any response)."""
-        streams = []
         for index, _, ids, params in self.jobs:
             try:
                 priority = self.body.priority if self.state.config.allow_priority else 0
-                streams.append((index, await self.engine.add(ids, params, request_id=f"{self.fmt.id}-{index}",
-                                                             priority=priority)))
+                self.streams[index] = await self.engine.add(ids, params, request_id=f"{self.fmt.id}-{index}",
+                                                            priority=priority, sink=(self.queue, index))
             except Exception as e:
-                for _, stream in streams:
+                for stream in self.streams.values():
                     stream.close()
                 if isinstance(e, EngineDeadError):
                     raise APIError(503, f"engine unavailable: {e}", code="engine_dead") from None
                 if isinstance(e, ValueError):
                     raise APIError(400, str(e), param=getattr(e, "field", None), code="invalid_value") from None
                 raise
-        for index, stream in streams:
-            self.tasks.append(asyncio.create_task(self._pump(index, stream)))
         self.started = True
         if self.state.config.request_timeout_s is not None:
             self.timer = asyncio.get_running_loop().call_later(self.state.config.request_timeout_s, self._timeout)
@@ -439,25 +436,18 @@ class _Run:
         for index, *_ in self.jobs:
             self.engine.fail(f"{self.fmt.id}-{index}", error)
 
-    async def _pump(self, index: int, stream) -> None:
-        try:
-            async for out in stream:
-                self.queue.put_nowait((index, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            self.queue.put_nowait((index, e))
-        finally:
-            stream.close()
-
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         remaining = len(self.jobs)
         while remaining:
             index, item = await self.queue.get()
-            if isinstance(item, BaseException):
+            if isinstance(item, BaseException):  # the engine already dropped this request
+                self.streams[index].mark_done()
                 raise item
             self.state.metrics.generation_tokens.inc(len(item.delta_token_ids))
             self.generated[index] = self.generated.get(index, 0) + len(item.delta_token_ids)
             if item.finished:
                 remaining -= 1
+                self.streams[index].mark_done()
                 self._finished(index, item)
             yield index, item
 
@@ -507,15 +497,15 @@ class _Run:
         return ", ".join(parts)
 
     def close(self) -> None:
-        """Idempotent: cancel pumps (their generators abort unfinished engine requests), free the slot."""
+        """Idempotent: abort the unfinished engine requests, free the slot."""
         if self.closed:
             return
         self.closed = True
         if self.timer is not None:
             self.timer.cancel()
         unfinished = len(self.jobs) - len(self.finals)
-        for task in self.tasks:
-            task.cancel()
+        for stream in self.streams.values():
+            stream.close()  # aborts it unless its final output or failure arrived
         if unfinished and self.started:
             self.state.metrics.aborts.labels(self.abort_cause).inc(unfinished)
         self.state.release(len(self.jobs))

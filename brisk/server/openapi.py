@@ -98,13 +98,13 @@ def _fill_limits(node: Any, state) -> None:
         return
     ready = state.engine is not None
     if node.pop(TOKEN_ID_MARK, False) and ready:
-        node["maximum"] = state.engine.engine.loaded.config.vocab_size - 1
+        node["maximum"] = state.engine.vocab_size - 1
     names = node.get("propertyNames")
     if isinstance(names, dict) and names.pop(TOKEN_ID_KEY_MARK, False):
         # pydantic writes a constrained key as patternProperties, which lets other keys through:
         # say instead that every key is a token id (inside the vocabulary once it is known)
         (general, values), = node.pop("patternProperties").items()
-        node["propertyNames"] = {"pattern": below_pattern(state.engine.engine.loaded.config.vocab_size)
+        node["propertyNames"] = {"pattern": below_pattern(state.engine.vocab_size)
                                  if ready else general}
         node["additionalProperties"] = values
     if node.pop(MAX_TOKENS_MARK, False) and ready and state.config.context_policy is not ContextPolicy.CLAMP_MAX_TOKENS:

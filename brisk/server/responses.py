@@ -32,10 +32,7 @@ def usage_block(finals: dict[int, RequestOutput], guards: list[GuardResult], job
 
 
 def _delta_logprobs(out: RequestOutput) -> list[dict[str, Any]]:
-    if not out.logprobs:
-        return []
-    end = len(out.token_ids)
-    return out.logprobs[end - len(out.delta_token_ids):end]
+    return out.delta_logprobs or []
 
 
 class Formatter:
@@ -186,7 +183,7 @@ class CompletionFormatter(Formatter):
                 for index, p_index, *_ in jobs]
 
     def chunks(self, index, out, body):
-        first = len(out.token_ids) == len(out.delta_token_ids)
+        first = out.num_output_tokens == len(out.delta_token_ids)
         text = (self._echo_text(out) if first else "") + out.delta_text
         offset = len(out.text) - len(out.delta_text)
         return self._stream_chunk(index, out, body, bool(text), lambda: {

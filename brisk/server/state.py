@@ -140,7 +140,7 @@ class ServerState:
         self._set_ready(engine)
 
     def _set_ready(self, engine: AsyncLLMEngine) -> None:
-        loaded = engine.engine.loaded
+        loaded = engine.loaded
         report = loaded.report if loaded.report.phases_ms else self.report
         self.metrics.observe_load(report.phases_ms, report.total_ms)
         self.metrics.build_info.labels(_version(), self.config.served_model_name, str(loaded.dtype).split(".")[-1],
@@ -166,11 +166,11 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.scheduler_config.max_model_len
+        return self.engine.max_model_len
 
     def loading_status(self) -> dict:
         if self.load_error is not None:
@@ -210,7 +210,7 @@ class ServerState:
     @property
     def capacity(self) -> int:
         """Engine requests in flight at most: max_num_seqs running plus --max-queued-requests waiting."""
-        return self.engine.engine.scheduler_config.max_num_seqs + self.config.max_queued_requests
+        return self.engine.max_num_seqs + self.config.max_queued_requests
 
     def check_capacity(self, n: int) -> None:
         """A request needing more engine requests than the server ever holds can never be admitted:
