@@ -277,3 +277,22 @@ def test_delta_outputs_cost_o_of_l_and_carry_the_same_result(demo, prompts64):
 def test_output_kind_is_validated():
     with pytest.raises(SamplingParamsError, match="output_kind: must be one of cumulative, delta, got 'final'"):
         SamplingParams(output_kind="final")
+
+
+def test_prompt_token_count_is_what_prefill_computed(demo, prompts64):
+    """EngineStats.prompt_tokens (the stats line's "prompt tok/s") counts prompt tokens as they
+    are prefilled, chunk by chunk, not when the request arrives; prefix-cache hits are not
+    computed and not counted."""
+    engine = make_engine(demo, max_num_batched_tokens=64)
+    prompt = [t for p in prompts64[:6] for t in p][:150]  # > 2 chunks of 64
+    engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0))
+    assert engine.stats().prompt_tokens == 0  # arrived, nothing computed yet
+    engine.step()
+    assert engine.stats().prompt_tokens == 64
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().prompt_tokens == 150
+    again = _all_outputs(engine, prompt, SamplingParams(max_tokens=2, temperature=0))
+    cached = again[-1].num_cached_prompt_tokens
+    assert cached >= 128
+    assert engine.stats().prompt_tokens == 150 + (150 - cached)

@@ -62,6 +62,8 @@ class LLMEngine:
         self._pending: dict[str, _Pending] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # prompt tokens run through the model (prefill; prefix-cache hits excluded, a preempted
+        # request's recompute included): what "prompt tok/s" means in the stats line, as in vLLM
         self.num_prompt_tokens = 0
 
     # -- requests ---------------------------------------------------------
@@ -80,7 +82,6 @@ class LLMEngine:
             request.grammar = params.grammar.matcher()
         self.scheduler.add_request(request)
         self._pending[request_id] = _Pending()
-        self.num_prompt_tokens += len(ids)
         return request_id
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -121,6 +122,10 @@ class LLMEngine:
         if not out.chunks:
             return []
         sampled, samples = self.runner.execute(out.chunks)
+        for chunk in out.chunks:  # before advance: num_computed_tokens is still where the chunk starts
+            prompt_left = len(chunk.request.prompt_token_ids) - chunk.request.num_computed_tokens
+            if prompt_left > 0:
+                self.num_prompt_tokens += min(chunk.num_tokens, prompt_left)
         self.scheduler.advance(out)
         self.num_steps += 1
         if samples is None:

@@ -19,7 +19,7 @@ class EngineStats:
     prefix_cache_hits_tokens: int
     num_preemptions: int
     num_steps: int
-    prompt_tokens: int
+    prompt_tokens: int  # prompt tokens computed (prefilled), cache hits excluded
     generation_tokens: int
 
     def to_dict(self) -> dict:
