@@ -1,14 +1,14 @@
 """Paged attention backends. K/V live in per-layer slot arrays
 ([num_blocks * block_size, num_kv_heads, head_dim]); each sequence reads its K/V
-through its block table. This is the CPU PyTorch reference implementation; a CUDA
-paged/flash kernel plugs in by implementing the same `__call__`."""
+through its block table. Two backends: the PyTorch reference (gather + SDPA, any device)
+and, on CPU, decode rows through the compiled kernel (brisk/kernels/paged_attention.cpp);
+a CUDA paged/flash kernel plugs in by implementing the same `__call__`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -91,8 +91,6 @@ class TorchPagedAttention:
     gather their context out of the cache (index_select) and run SDPA on the copy: the reference
     the compiled kernel is tested against, and the path on devices the kernel does not cover."""
 
-    name = "torch"
-
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float):
         self.cache, self.meta, self.scale = cache, meta, scale
         self._decode_slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -145,8 +143,6 @@ class KernelPagedAttention(TorchPagedAttention):
     """Decode rows attend through their block tables in place (brisk/kernels/paged_attention.cpp):
     no gathered copy of the context per layer. Prompt chunks keep SDPA (their cost is the
     quadratic math, not the copy)."""
-
-    name = "cpu-kernel"
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         meta = self.meta
