@@ -128,8 +128,14 @@ def test_doctor_quick_against_brisk_serve(demo, tmp_path, caplog):
         [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert report["model"] == "smollm2-135m-instruct" and report["duration_s"] <= 60
     # the warning is the sample text's token cost, which the --sample-file asked about
-    assert statuses(report) == {**HEALTHY, "context": "warning"}, (
-        report["findings"]["kv_batching"]["summary"], report["measurements"]["concurrency"])
+    kv = report["findings"]["kv_batching"]
+    assert statuses(report) == {**HEALTHY, "context": "warning", "kv_batching": kv["status"]}
+    # brisk batches (never "one at a time") and its KV cache is idle here (never "pressure"). On 2
+    # shared cores its throughput per stream at 4 streams lands at 0.43-0.66 of one stream's
+    # (measured over 9 runs, with either attention path), around the doctor's 0.45 line: a verdict
+    # of "compute-bound" is then true too, and must say so
+    assert kv["status"] == "ok" or (kv["status"] == "warning" and kv["summary"].startswith("compute-bound")), (
+        kv["summary"], report["measurements"]["concurrency"])
     # the 135M demo model sometimes misses the early fact in the doctor's random 768-token filler: a true
     # warning, which then comes first; the sample's cost must be reported either way
     assert "your sample text costs" in report["findings"]["context"]["summary"]
