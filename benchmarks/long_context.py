@@ -38,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
 
 from decode_speed import read_bandwidth_gbs  # noqa: E402
+from quantized_peers import stop  # noqa: E402
 from run_peers import free_port, wait_ready  # noqa: E402
 
 from brisk.bench.client import BenchRequest, run_concurrency  # noqa: E402
@@ -121,11 +122,7 @@ def run_system(system: str, chosen: list[str], loads: dict[str, Workload], args,
     except RuntimeError as e:
         rows.append(f"| - | {system} | failed: {e} (see {log}) |")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return rows
 
 

@@ -210,36 +210,6 @@ def test_invalid_requests(demo):
         SamplingParams(logprobs=21)
 
 
-def test_context_slots_expand_block_tables_like_the_per_token_reference():
-    """The torch attention path expands block tables into slots with tensor ops; the reference is
-    the slot of each position p: block_ids[p // block_size] * block_size + p % block_size."""
-    import random
-
-    import torch
-
-    from brisk.engine.attention import block_tables, context_slots
-
-    bs = 16
-    cpu = torch.device("cpu")
-    rng = random.Random(3)
-    lengths = [rng.randint(1, 700) for _ in range(9)] + [bs * 4]  # ragged, and one on a block edge
-    pool = list(range(1, 400))
-    rng.shuffle(pool)
-    tables, used = [], 0
-    for n in lengths:
-        blocks = -(-n // bs) + rng.randint(0, 2)  # a table may hold more blocks than the length needs
-        tables.append(pool[used:used + blocks])
-        used += blocks
-    slots, mask = context_slots(block_tables(tables, lengths, bs), torch.tensor(lengths), bs, cpu)
-    width = max(lengths)
-    slots = slots.view(len(lengths), width)
-    for row, (table, n) in enumerate(zip(tables, lengths)):
-        assert slots[row, :n].tolist() == [table[p // bs] * bs + p % bs for p in range(n)]
-        assert slots[row, n:].eq(0).all()  # padding reads slot 0 (finite), and the mask hides it
-        assert mask[row, 0, 0].tolist() == [True] * n + [False] * (width - n)
-    one, no_mask = context_slots(block_tables(tables[:1], lengths[:1], bs), torch.tensor(lengths[:1]), bs, cpu)
-    assert no_mask is None and one.tolist() == slots[0, :lengths[0]].tolist()
-
 
 def _all_outputs(engine, prompt, params):
     engine.add_request(prompt, params)

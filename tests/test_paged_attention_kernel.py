@@ -52,6 +52,24 @@ def reference(q, k, v, tables, lengths, bs, scale):
     return out.reshape(n, -1)
 
 
+def test_context_slots_expand_block_tables_like_the_per_token_reference():
+    """The torch path expands block tables into slots with tensor ops; the reference is the slot
+    of each position p: block_ids[p // block_size] * block_size + p % block_size."""
+    bs = 16
+    rng = random.Random(3)
+    lengths = [rng.randint(1, 700) for _ in range(9)] + [bs * 4]  # ragged, and one on a block edge
+    tables = scattered(lengths, bs, 400, seed=3)
+    slots, mask = context_slots(block_tables(tables, lengths, bs), torch.tensor(lengths), bs, CPU)
+    width = max(lengths)
+    slots = slots.view(len(lengths), width)
+    for row, (table, n) in enumerate(zip(tables, lengths)):
+        assert slots[row, :n].tolist() == [table[p // bs] * bs + p % bs for p in range(n)]
+        assert slots[row, n:].eq(0).all()  # padding reads slot 0 (finite), and the mask hides it
+        assert mask[row, 0, 0].tolist() == [True] * n + [False] * (width - n)
+    one, no_mask = context_slots(block_tables(tables[:1], lengths[:1], bs), torch.tensor(lengths[:1]), bs, CPU)
+    assert no_mask is None and one.tolist() == slots[0, :lengths[0]].tolist()
+
+
 ISAS = {0: "portable", 2: "avx2"}
 
 
