@@ -48,6 +48,10 @@ def _add_engine_args(p) -> None:
                    help="share the KV blocks of a common prompt prefix (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="the same as --no-enable-prefix-caching")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's flag: speculative decoding, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
+                        "(off by default; see docs/speculative.md)")
 
 
 def engine_configs(args: argparse.Namespace, max_model_len: int):
@@ -74,11 +78,24 @@ def engine_configs(args: argparse.Namespace, max_model_len: int):
     return cache, sched
 
 
+def speculative_config(args: argparse.Namespace):
+    """--speculative-config parsed and checked (torch-free, so `serve` refuses a bad one at start)."""
+    from brisk.engine.spec_decode.config import SpeculativeConfig
+
+    if args.speculative_config is None:
+        return None
+    config = SpeculativeConfig.parse(args.speculative_config)
+    if config.method == "draft_model":
+        raise BriskError(f"--speculative-config: draft-model speculation ({config.model}) is not implemented in "
+                         "brisk yet; use {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
+    return config
+
+
 def build_engine(args: argparse.Namespace, loaded):
     from brisk.engine.engine import LLMEngine
 
     cache, sched = engine_configs(args, loaded.max_model_len)
-    return LLMEngine(loaded, cache, sched, seed=args.seed or 0)
+    return LLMEngine(loaded, cache, sched, seed=args.seed or 0, speculative=speculative_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

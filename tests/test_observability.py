@@ -17,6 +17,7 @@ from brisk.config import CacheConfig
 from brisk.engine.async_engine import AsyncLLMEngine
 from brisk.engine.engine import LLMEngine
 from brisk.engine.scheduler import SchedulerConfig
+from brisk.engine.spec_decode.config import SpeculativeConfig
 from brisk.metrics.tracing import RequestTracer
 from brisk.server.state import ServerConfig, ServerState
 
@@ -44,7 +45,8 @@ def value(snapshot: dict, name: str, **labels) -> float:
 def workload(demo):
     """A tiny KV pool (preemptions), then a scripted mix of requests; returns the scrapes."""
     engine = LLMEngine(demo, CacheConfig(block_size=16, num_gpu_blocks_override=12),
-                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=160))
+                       SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=160),
+                       speculative=SpeculativeConfig(disable_by_batch_size=8))  # its metrics too
     with serve_engine(engine) as live:
         with live.client() as http:
             before = http.get("/metrics").text
@@ -96,6 +98,16 @@ def test_histogram_counts_equal_request_counts(workload):
         assert value(after, f"{name}_count") == 5, name
         assert value(after, f"{name}_bucket", le="+Inf") == 5
     assert value(after, "brisk:inter_token_latency_seconds_count") == 4 * 39 + 4
+
+
+def test_speculative_decoding_is_counted(workload):
+    _, _, stats, _, after, _ = workload
+    assert stats.spec_draft_tokens > 0  # the scripted chats drafted (the poem repeats the prompt's words)
+    assert value(after, "brisk:spec_decode_draft_tokens_total") == stats.spec_draft_tokens
+    assert value(after, "brisk:spec_decode_accepted_tokens_total") == stats.spec_accepted_tokens
+    assert value(after, "brisk:spec_decode_acceptance_length_count") == sum(stats.spec_acceptance_lengths)
+    assert value(after, "brisk:spec_decode_acceptance_length_sum") == stats.spec_accepted_tokens
+    assert value(after, "brisk:spec_decode_acceptance_length_bucket", le="0.0") == stats.spec_acceptance_lengths[0]
 
 
 def test_a_scrape_resets_nothing(workload):

@@ -42,8 +42,10 @@ def serve_fails(*argv: str, cwd=None) -> tuple[str, float, str]:
     (["--chat-template", "not-a-file.jinja"], "no such file, and not a Jinja template"),
     (["--block-size", "4096"], "block_size must be in [1, 1024]"),
     (["--max-model", "2048"], "unrecognized arguments: --max-model"),  # no silent abbreviations
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 4}'], "unknown method 'eagle'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 32}'], "must be in [1, 16], got 32"),
 ], ids=["over-window", "far-over-window", "kv-too-small", "no-model", "gpu-util", "fp8-kv", "template-syntax",
-        "template-missing", "block-size", "abbreviation"])
+        "template-missing", "block-size", "abbreviation", "spec-method", "spec-k"])
 def test_mistakes_fail_fast_in_one_line(argv, needle):
     line, elapsed, imported = serve_fails(*argv)
     assert needle in line, line

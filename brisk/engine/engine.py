@@ -20,7 +20,9 @@ from brisk.engine.outputs import RequestOutput, find_stop, held_back_length, sto
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import ParamError, SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerConfig
-from brisk.engine.stats import EngineStats
+from brisk.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from brisk.engine.spec_decode.drafter import NgramDrafter
+from brisk.engine.stats import EngineStats, SpecStats
 from brisk.errors import BriskError
 from brisk.loading.loader import LoadedModel
 
@@ -40,7 +42,8 @@ class _Pending:
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None,
-                 scheduler: SchedulerConfig | None = None, seed: int = 0):
+                 scheduler: SchedulerConfig | None = None, seed: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
@@ -58,6 +61,17 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, bs, self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(loaded, self.num_blocks, bs, seed)
+        self.spec_config = speculative
+        self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
+        self.drafter = None
+        if speculative is not None:
+            if speculative.method != "ngram":
+                raise SpeculativeConfigError(f"--speculative-config: method {speculative.method} is not "
+                                             "implemented in brisk yet; use {\"method\": \"ngram\"}")
+            self.drafter = NgramDrafter(speculative, self.scheduler_config.max_model_len)
+            log.info("speculative decoding: %s, %d tokens, n-gram %d..%d, off above %d running requests",
+                     speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                     speculative.prompt_lookup_max, speculative.disable_by_batch_size)
         self._ids = itertools.count()
         self._pending: dict[str, _Pending] = {}
         self.num_steps = 0
@@ -118,6 +132,8 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
@@ -135,12 +151,40 @@ class LLMEngine:
         if samples.logprobs is not None:
             extras = (samples.logprobs.tolist(), samples.top_ids.tolist(), samples.top_logprobs.tolist())
         now = time.monotonic()
-        outputs = []
-        for i, (request, token) in enumerate(zip(sampled, token_ids)):
-            outputs.append(self._append_token(request, token, now, extras, i))
+        if samples.num_rows is None:
+            return [self._append_tokens(request, [token], now, extras, i)
+                    for i, (request, token) in enumerate(zip(sampled, token_ids))]
+        outputs, row = [], 0
+        for request, num_rows, num_emitted in zip(sampled, samples.num_rows, samples.num_emitted):
+            outputs.append(self._append_tokens(request, token_ids[row:row + num_emitted], now, extras, row))
+            if num_rows > 1:
+                self._verified(request, num_rows - 1, num_emitted - 1)
+            row += num_rows
         return outputs
 
-    def _append_token(self, request: Request, token: int, now: float, extras, row: int) -> RequestOutput:
+    def _verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """Book a verified draft; a request still running keeps the K/V of its accepted drafts
+        (computed this step) and gives back the rejected ones' slots."""
+        self.spec_stats.record(num_drafted, num_accepted)
+        request.spec.record(num_drafted, num_accepted, self.spec_config.min_acceptance_rate)
+        request.spec_token_ids = []
+        if not request.status.finished:
+            request.num_computed_tokens = request.num_tokens - 1
+            self.kv.truncate(request.request_id, request.num_computed_tokens)
+
+    def _append_tokens(self, request: Request, tokens: list[int], now: float, extras, row: int) -> RequestOutput:
+        """Append a step's tokens (one, or several after a verified draft) until the request
+        finishes; one output carries them all."""
+        old_len = len(request.output_token_ids)
+        released = []
+        for i, token in enumerate(tokens):
+            released.append(self._append_token(request, token, now, extras, row + i))
+            if request.status.finished:
+                break
+        return self._output(request, "".join(released), request.output_token_ids[old_len:])
+
+    def _append_token(self, request: Request, token: int, now: float, extras, row: int) -> str:
+        """Append one token, apply the stop rules; returns the text it releases."""
         request.output_token_ids.append(token)
         request.times.token_ts.append(now)
         if request.times.first_token_ts is None:
@@ -178,12 +222,11 @@ class LLMEngine:
             release, pending.text = pending.text[:len(pending.text) - keep], pending.text[len(pending.text) - keep:]
         else:
             release, pending.text = pending.text, ""
-        old_len = len(request.output_token_ids) - 1
         request.output_text += release
         if status is not None:
             self.scheduler.finish(request, status)
             self._forget(request.request_id)
-        return self._output(request, release, request.output_token_ids[old_len:])
+        return release
 
     @staticmethod
     def _grammar_done(request: Request, token: int) -> bool:
@@ -215,6 +258,9 @@ class LLMEngine:
     @staticmethod
     def _metrics(request: Request) -> dict:
         metrics = {**request.times.phases_ms(), "num_preemptions": request.num_preemptions}
+        if request.spec is not None:
+            metrics["spec_drafted_tokens"] = request.spec.num_drafted
+            metrics["spec_accepted_tokens"] = request.spec.num_accepted
         if request.status.finished:
             t = request.times
             metrics["itl_ms"] = [round(gap, 3) for gap in t.itl_ms()]
@@ -235,4 +281,6 @@ class LLMEngine:
             prefix_cache_hits_tokens=self.kv.prefix_hits_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
+            spec_draft_tokens=self.spec_stats.num_drafted, spec_accepted_tokens=self.spec_stats.num_accepted,
+            spec_acceptance_lengths=tuple(self.spec_stats.acceptance_lengths),
         )

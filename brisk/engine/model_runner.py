@@ -33,29 +33,36 @@ class ModelRunner:
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _prepare(self, chunks: list[ScheduledChunk]):
-        chunks = sorted(chunks, key=lambda c: c.num_tokens > 1)  # decodes first, order kept otherwise
+        # decodes (with their drafts) first, order kept otherwise
+        chunks = sorted(chunks, key=lambda c: c.num_tokens - c.num_draft > 1)
         input_ids, positions, slot_mapping = [], [], []
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
         prefills: list[PrefillSeq] = []
-        sample_rows, sample_requests = [], []
+        sample_rows, sample_requests, drafts = [], [], []
         for chunk in chunks:
             req = chunk.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
             row = len(input_ids)
-            input_ids += _tokens(req, start, end)
+            draft = req.spec_token_ids[:chunk.num_draft]
+            input_ids += _tokens(req, start, end - chunk.num_draft) + draft
             positions += range(start, end)
             slot_mapping += self._slots(chunk.block_ids, start, end)
-            if chunk.num_tokens == 1:
-                decode_tables.append(chunk.block_ids)
-                decode_lengths.append(end)
+            if chunk.num_tokens - chunk.num_draft == 1:
+                # a decode, and each drafted token as a decode row of its own that sees the
+                # positions before it: every row attends exactly as one-token decoding would, so
+                # verification reproduces its logits bit for bit
+                decode_tables += [chunk.block_ids] * (1 + chunk.num_draft)
+                decode_lengths += range(start + 1, end + 1)
             else:
                 table = block_tables([chunk.block_ids], [end], self.block_size)
                 context, _ = context_slots(table, torch.tensor([end]), self.block_size, self.device)
                 prefills.append(PrefillSeq(row, chunk.num_tokens, context, start))
-            if end == req.num_tokens:  # the last known token: its logits give the next one
-                sample_rows.append(row + chunk.num_tokens - 1)
+            if end - chunk.num_draft == req.num_tokens:  # the last known token: its logits give the next one
+                # (and with a draft, each drafted position's logits verify the next draft token)
+                sample_rows += range(row + chunk.num_tokens - 1 - chunk.num_draft, row + chunk.num_tokens)
                 sample_requests.append(req)
+                drafts.append(draft)
         dev = self.device
         tables = lens = None
         if decode_tables:
@@ -63,18 +70,19 @@ class ModelRunner:
             lens = torch.tensor(decode_lengths, dtype=torch.int32)
         meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), self.block_size, tables, lens, prefills)
         return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
-                sample_rows, sample_requests)
+                sample_rows, sample_requests, drafts)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], SamplerOutput | None]:
-        """One forward over all chunks; returns the requests that sampled and their samples."""
-        input_ids, positions, meta, sample_rows, sample_requests = self._prepare(chunks)
+        """One forward over all chunks; returns the requests that sampled and their samples (with
+        drafted tokens: the tokens each request emits after verification)."""
+        input_ids, positions, meta, sample_rows, sample_requests, drafts = self._prepare(chunks)
         attention = self.attention(self.kv, meta, self.scale)
         hidden = self.model(input_ids, positions, attention)
         if not sample_requests:
             return [], None
         logits = self.model.compute_logits(hidden[sample_rows])
-        return sample_requests, self.sampler(logits, sample_requests)
+        return sample_requests, self.sampler(logits, sample_requests, drafts if any(drafts) else None)
 
 
 def _tokens(req: Request, start: int, end: int) -> list[int]:

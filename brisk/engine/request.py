@@ -71,6 +71,10 @@ class Request:
     detokenizer: Any = None
     stop_reason: str | int | None = None
     grammar: Any = None  # this sequence's grammar matcher (structured outputs), or None
+    # Speculative decoding: this step's drafted tokens (verified by the target, never part of the
+    # sequence until accepted) and the request's drafting state (spec_decode.policy.SpecState).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.engine.request import Request
+from brisk.engine.spec_decode.verify import verify_greedy, verify_sampled
 from brisk.structured.bitmask import GrammarMasker
 
 MIN_LOGPROB = -9999.0
@@ -15,10 +16,14 @@ MIN_LOGPROB = -9999.0
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [N]
-    logprobs: torch.Tensor | None  # [N] logprob of the sampled token
-    top_ids: torch.Tensor | None  # [N, k]
-    top_logprobs: torch.Tensor | None  # [N, k]
+    token_ids: torch.Tensor  # [rows]: one row per request, or 1 + its draft length with drafts
+    logprobs: torch.Tensor | None  # [rows] logprob of the row's token
+    top_ids: torch.Tensor | None  # [rows, k]
+    top_logprobs: torch.Tensor | None  # [rows, k]
+    # With drafts: rows per request and how many of them hold emitted tokens (accepted drafts and
+    # the target's own next token); None when every request has one row and emits it.
+    num_rows: list[int] | None = None
+    num_emitted: list[int] | None = None
 
 
 class Sampler:
@@ -42,36 +47,63 @@ class Sampler:
             self.request_generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: [N, vocab] float32, row i for requests[i]."""
-        for i, request in enumerate(requests):
-            if request.params.needs_penalties:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 drafts: list[list[int]] | None = None) -> SamplerOutput:
+        """logits: [rows, vocab] float32. Without drafts row i is requests[i]'s next token; with
+        drafts, request i has 1 + len(drafts[i]) consecutive rows (its last token's and each
+        drafted token's logits), verified here (spec_decode.verify)."""
+        num_rows = [1 + len(d) for d in drafts] if drafts else None
+        row_requests = requests if drafts is None else [r for r, n in zip(requests, num_rows) for _ in range(n)]
+        for i, request in enumerate(row_requests):
+            if request.params.needs_penalties:  # never with a draft (spec_decode.drafter.can_speculate)
                 _apply_penalties(logits[i], request)
             if request.params.logit_bias:
                 _apply_logit_bias(logits[i], request.params.logit_bias)
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(row_requests) if r.grammar is not None]
         if constrained:  # only these rows pay for a mask; the others' logits are untouched
-            self.masker.apply(logits, constrained, [requests[i].grammar for i in constrained])
+            self.masker.apply(logits, constrained, [row_requests[i].grammar for i in constrained])
         num_top = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
         logprobs_all = torch.log_softmax(logits, dim=-1) if num_top is not None else None
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        if len(greedy) == len(requests):  # all greedy: no copy of the [N, vocab] logits
+        greedy = [i for i, r in enumerate(row_requests) if r.params.greedy]
+        if len(greedy) == len(row_requests):  # all greedy: no copy of the [rows, vocab] logits
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            token_ids = torch.empty(len(row_requests), dtype=torch.long, device=logits.device)
             if greedy:
                 token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        for i, request in enumerate(requests):
-            if not request.params.greedy:
-                probs = _filtered_probs(logits[i], request)
-                token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request))[0]
-        if logprobs_all is None:
-            return SamplerOutput(token_ids, None, None, None)
-        # floored like OpenAI/vLLM: a token the model all but rules out reports -9999, not -1e30
-        logprobs_all.clamp_(min=MIN_LOGPROB)
-        chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]
-        top_logprobs, top_ids = logprobs_all.topk(max(num_top, 1), dim=-1)
-        return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+        num_emitted = None
+        if drafts is None:
+            for i, request in enumerate(requests):
+                if not request.params.greedy:
+                    probs = _filtered_probs(logits[i], request)
+                    token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request))[0]
+        else:
+            num_emitted = self._verify(logits, token_ids, requests, drafts)
+        out = SamplerOutput(token_ids, None, None, None, num_rows, num_emitted)
+        if logprobs_all is not None:
+            # floored like OpenAI/vLLM: a token the model all but rules out reports -9999, not -1e30
+            logprobs_all.clamp_(min=MIN_LOGPROB)
+            out.logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]
+            out.top_logprobs, out.top_ids = logprobs_all.topk(max(num_top, 1), dim=-1)
+        return out
+
+    def _verify(self, logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request],
+                drafts: list[list[int]]) -> list[int]:
+        """Write each request's emitted tokens into its first rows; returns how many it emits."""
+        greedy_ids = token_ids.tolist() if any(r.params.greedy and d for r, d in zip(requests, drafts)) else None
+        num_emitted, row = [], 0
+        for request, draft in zip(requests, drafts):
+            rows = slice(row, row + 1 + len(draft))
+            if request.params.greedy:
+                n = verify_greedy(greedy_ids[rows], draft) if draft else 1
+            else:
+                probs = torch.stack([_filtered_probs(r, request) for r in logits[rows]])
+                emitted = verify_sampled(probs, draft, self._generator(request))
+                token_ids[row:row + len(emitted)] = torch.tensor(emitted, device=token_ids.device)
+                n = len(emitted)
+            num_emitted.append(n)
+            row += 1 + len(draft)
+        return num_emitted
 
 
 def _apply_penalties(row: torch.Tensor, request: Request) -> None:

@@ -47,6 +47,9 @@ class SamplingParams:
     # logprobs and metrics of the whole output so far, on every step: O(L) per step), or "delta"
     # (only what is new, O(1) per step; token_ids and metrics come once, on the final output).
     output_kind: str = "cumulative"
+    # Whether this request may be sped up by speculative decoding when the server runs it (the
+    # output distribution is the same either way; false opts one request out).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +71,7 @@ class SamplingParams:
                 isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              "must map token ids to biases in [-100, 100]"),
             ("output_kind", self.output_kind in OUTPUT_KINDS, f"must be one of {', '.join(OUTPUT_KINDS)}"),
+            ("speculative", isinstance(self.speculative, bool), "must be true or false"),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -40,6 +40,9 @@ class ScheduledChunk:
     request: Request
     num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
     block_ids: list[int]
+    # of which the last `num_draft` are speculative (request.spec_token_ids[:num_draft]): the
+    # target verifies them, and only accepted ones become part of the sequence
+    num_draft: int = 0
 
 
 @dataclass
@@ -117,24 +120,30 @@ class Scheduler:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            # drafted tokens ride on a decode step and count against the token budget
+            num_draft = min(len(request.spec_token_ids), budget - 1) if num_new == 1 else 0
+            if num_draft and self.kv.allocate_slots(request, num_new + num_draft) is None:
+                num_draft = 0  # memory is short: drop the draft before preempting anybody
+            while not num_draft and self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     num_new = 0
                     break
             if num_new:
-                self._schedule_chunk(request, num_new, out)
-                budget -= num_new
+                self._schedule_chunk(request, num_new, out, num_draft)
+                budget -= num_new + num_draft
         return budget
 
-    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        out.chunks.append(ScheduledChunk(request, num_new, self.kv.block_ids(request.request_id)))
+    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput, num_draft: int = 0) -> None:
+        out.chunks.append(ScheduledChunk(request, num_new + num_draft, self.kv.block_ids(request.request_id),
+                                         num_draft))
         # NOTE: blocks this chunk fills are registered now, not after the forward: a request
         # admitted later in this same step may share them, because every layer writes the
         # step's K/V before any sequence attends. A burst of requests with one system prompt
         # then computes it once. (A request registered this step is never preempted in it:
-        # preemption only takes the newest running request not yet scheduled.)
+        # preemption only takes the newest running request not yet scheduled.) Drafted positions
+        # are never registered: a block holding an unverified token must not be shared.
         self.kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -155,6 +164,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -173,7 +183,9 @@ class Scheduler:
         sampled = []
         for chunk in out.chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
+            # drafted positions are computed but not yet part of the sequence: the engine counts the
+            # accepted ones once the target has verified them
+            request.num_computed_tokens += chunk.num_tokens - chunk.num_draft
             if request.num_computed_tokens == request.num_tokens:
                 sampled.append(request)
         return sampled

@@ -21,6 +21,25 @@ class EngineStats:
     num_steps: int
     prompt_tokens: int  # prompt tokens computed (prefilled), cache hits excluded
     generation_tokens: int
+    # speculative decoding: drafted and accepted tokens, and how many verifications accepted
+    # exactly i tokens (index i = 0..k); empty when speculation is off
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_lengths: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class SpecStats:
+    """Speculative decoding counters of one engine (mutated on the engine thread only)."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self.acceptance_lengths = [0] * (num_speculative_tokens + 1 if num_speculative_tokens else 0)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.acceptance_lengths[num_accepted] += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from brisk.engine.stats import EngineStats
 
@@ -120,3 +120,16 @@ class _EngineCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        if s.spec_acceptance_lengths:  # speculative decoding is on
+            yield CounterMetricFamily("brisk:spec_decode_draft_tokens", "Tokens drafted for verification.",
+                                      value=s.spec_draft_tokens)
+            yield CounterMetricFamily("brisk:spec_decode_accepted_tokens", "Drafted tokens the target accepted.",
+                                      value=s.spec_accepted_tokens)
+            cumulative, buckets = 0, []
+            for length, count in enumerate(s.spec_acceptance_lengths):
+                cumulative += count
+                buckets.append((str(float(length)), cumulative))
+            buckets.append(("+Inf", cumulative))
+            yield HistogramMetricFamily("brisk:spec_decode_acceptance_length",
+                                        "Drafted tokens accepted per verification (0..k).", buckets=buckets,
+                                        sum_value=s.spec_accepted_tokens)

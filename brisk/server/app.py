@@ -310,7 +310,7 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None, grammar: Compi
             frequency_penalty=body.frequency_penalty, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=_logit_bias(body),
-            grammar=grammar, output_kind="delta")
+            grammar=grammar, output_kind="delta", speculative=body.speculative)
     except ParamError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from None
 

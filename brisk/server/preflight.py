@@ -143,5 +143,8 @@ def preflight(args: argparse.Namespace) -> Preflight:
     ModelConfig.from_hf_dict(config, str(source.path))  # an architecture brisk cannot run: one line, now
     window, max_model_len = check_window(args, config, str(source.path))
     check_kv_budget(args, config, max_model_len, str(source.path))
+    from brisk.cli import speculative_config
+
+    speculative_config(args)
     template = chat_template(args.chat_template)
     return Preflight(source, config, window, max_model_len, bind(args.host, args.port), template)

@@ -245,6 +245,9 @@ class _Sampling(_Request):
     priority: Int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # brisk: false opts this request out of speculative decoding (same output distribution, one
+    # token per step)
+    speculative: bool = True
     # OpenAI: token id (as a string) -> bias added to its logit
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* extras and structured_outputs

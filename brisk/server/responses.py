@@ -28,6 +28,9 @@ def usage_block(finals: dict[int, RequestOutput], guards: list[GuardResult], job
     if first is not None:
         usage["brisk"] = {**{k: first.metrics.get(k) for k in _TIMING_KEYS}, "cached_prompt_tokens": cached,
                           "num_preemptions": first.metrics.get("num_preemptions", 0)}
+        if "spec_drafted_tokens" in first.metrics:  # the request ran with speculative decoding
+            usage["brisk"]["spec_drafted_tokens"] = first.metrics["spec_drafted_tokens"]
+            usage["brisk"]["spec_accepted_tokens"] = first.metrics["spec_accepted_tokens"]
     return usage
 
 

@@ -124,6 +124,21 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self.req_num_cached_blocks[rid] = num_full
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep slots for the request's first `num_tokens` tokens only: rejected draft tokens give
+        their slots back, and blocks holding nothing else return to the pool (never cached: only
+        verified blocks are registered)."""
+        held = self.req_num_tokens.get(request_id)
+        if held is None or num_tokens >= held:
+            return
+        blocks = self.req_blocks[request_id]
+        keep = -(-num_tokens // self.block_size)
+        if keep < self.req_num_cached_blocks.get(request_id, 0):
+            raise RuntimeError(f"request {request_id}: truncating into its registered prefix blocks")
+        self.pool.free(list(reversed(blocks[keep:])))
+        del blocks[keep:]
+        self.req_num_tokens[request_id] = num_tokens
+
     def free(self, request_id: str) -> None:
         """Release every block the request holds (tail first, so its prefix outlives its tail)."""
         blocks = self.req_blocks.pop(request_id, [])

@@ -1,0 +1,1 @@
+"""Speculative decoding: a cheap proposer drafts tokens, the target verifies them in one forward."""
