@@ -73,14 +73,14 @@ def main() -> None:
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), bs, table_t, lens, [])
     scale = args.head_dim ** -0.5
     torch_path = TorchPagedAttention(cache, meta, scale)
-    torch_path._gathered_decode(q, cache.k[0], cache.v[0])  # expands the slots once, as a step does
+    torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)  # expands the slots once, as a step does
 
     kv_bytes = sum(lengths) * args.kv_heads * args.head_dim * cache.k.element_size() * 2
     bandwidth, how = read_bandwidth_gbs()
     bound = kv_bytes / (bandwidth * 1e9)
     times = timed({"kernel": lambda: kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs,
                                                                     scale),
-                   "torch": lambda: torch_path._gathered_decode(q, cache.k[0], cache.v[0])}, args.repeat)
+                   "torch": lambda: torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)}, args.repeat)
     t_kernel, t_torch = (statistics.median(times[k]) for k in ("kernel", "torch"))
     best_kernel, best_torch = (min(times[k]) for k in ("kernel", "torch"))
     print(f"{args.rows} rows x ~{args.context} tokens ({sum(lengths)} in all), heads {args.heads}/{args.kv_heads}, "

@@ -69,6 +69,17 @@ class ModelConfig:
     rope: RopeConfig
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a windowed layer's position i sees positions i - W + 1 .. i only.
+    # layer_windows[i] is layer i's W, or None for full attention; () when no layer has a window.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def kv_window(self) -> int | None:
+        """W when every layer is windowed (K/V older than the window is never read again and its
+        blocks can be freed); None when any layer attends to the whole context."""
+        if self.layer_windows and all(w is not None for w in self.layer_windows):
+            return max(self.layer_windows)
+        return None
 
     @property
     def q_size(self) -> int:
@@ -124,7 +135,39 @@ class ModelConfig:
             rope=_rope_from_hf(d, source),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_windows=_windows_from_hf(d, arch, int(d["num_hidden_layers"]), source),
         )
+
+
+def _windows_from_hf(d: dict[str, Any], arch: str, num_layers: int, source: str) -> tuple[int | None, ...]:
+    """Per-layer sliding windows with transformers' semantics: an explicit `layer_types` list wins;
+    otherwise Mistral windows every layer with `sliding_window` (its config class defaults to
+    4096 when the key is absent; null means none), Qwen2 windows layers >= `max_window_layers`
+    when `use_sliding_window` is true, and Llama has no window."""
+    if arch == "MistralForCausalLM":
+        window = d.get("sliding_window", 4096)
+    elif arch == "Qwen2ForCausalLM":
+        window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
+    else:
+        window = d.get("sliding_window")
+    types = d.get("layer_types")
+    if types is None:
+        if window is None:
+            return ()
+        first = int(d.get("max_window_layers", 28)) if arch == "Qwen2ForCausalLM" else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelLoadError(f"{source}: layer_types must list one type per layer ({num_layers}), got {types!r}")
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ModelLoadError(f"{source}: layer_types {', '.join(map(str, unknown))} are not supported; brisk runs "
+                             "full_attention and sliding_attention layers")
+    if "sliding_attention" not in types:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"{source}: sliding_window must be a positive integer for sliding_attention layers, "
+                             f"got {window!r}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _rope_from_hf(d: dict[str, Any], source: str) -> RopeConfig:

@@ -189,3 +189,38 @@ def test_backend_choice(lib, monkeypatch):
     monkeypatch.setenv("BRISK_ATTENTION", "fast")
     with pytest.raises(ValueError, match="BRISK_ATTENTION='fast'"):
         attention_backend(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+def test_sliding_window_reads_only_the_last_window_positions(lib, window):
+    """With a window W each row attends to its last W positions: every slot before them holds NaN
+    (as blocks freed out of the window may), and the kernel and the torch path both match a float64
+    reference over exactly those positions."""
+    bs, heads, kv_heads, dim = 4, 6, 2, 64
+    lengths = [1, 3, 16, 17, 90, 700]
+    num_blocks = 260
+    tables = block_tables(scattered(lengths, bs, num_blocks, seed=window), lengths, bs)
+    k = torch.full((num_blocks * bs, kv_heads, dim), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    k[0], v[0] = 0.0, 0.0  # slot 0 pads short rows of the torch path; PagedKVCache keeps it finite
+    gen = torch.Generator().manual_seed(window)
+    expected = []
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    for row, n in enumerate(lengths):
+        seen = range(max(0, n - window), n)
+        slots = [int(tables[row, p // bs]) * bs + p % bs for p in seen]
+        k[slots] = torch.randn(len(slots), kv_heads, dim, generator=gen)
+        v[slots] = torch.randn(len(slots), kv_heads, dim, generator=gen)
+        keys = k[slots].double().transpose(0, 1).unsqueeze(0)  # [1, kv_heads, W, dim]
+        values = v[slots].double().transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q[row].double()[None, :, None], keys, values, scale=0.125,
+                                             enable_gqa=True)
+        expected.append(out.reshape(-1))
+    expected = torch.stack(expected)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    for part in (0, 64, 512):
+        out = kernels.paged_decode_attention(q, k, v, tables, lens, bs, 0.125, part_tokens=part, window=window)
+        assert (out.double() - expected).abs().max() < 2e-5, part
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), bs, tables, lens, [], (window,))
+    torch_out = TorchPagedAttention(None, meta, 0.125)._gathered_decode(q, k, v, window)
+    assert (torch_out.double() - expected).abs().max() < 2e-5

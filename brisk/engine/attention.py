@@ -42,6 +42,11 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32 on CPU (rows padded with block 0)
     decode_lens: torch.Tensor | None  # [num_decodes] int32 on CPU: context length incl. the new token
     prefills: list[PrefillSeq]
+    # the model's per-layer sliding windows (ModelConfig.layer_windows); () when none
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def num_decodes(self) -> int:
@@ -54,6 +59,23 @@ def block_tables(tables: list[list[int]], lengths: list[int], block_size: int) -
     nb = -(-max(lengths) // block_size)
     return torch.from_numpy(np.array([t[:nb] if len(t) >= nb else t + [0] * (nb - len(t)) for t in tables],
                                      dtype=np.int32))
+
+
+def window_slots(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, window: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like context_slots, for a sliding window: slots of each row's last min(length, window)
+    positions only, flat [rows * width] with width = min(max(lengths), window), right-aligned
+    (padding, masked out, at the start of short rows). Blocks before the window are never read."""
+    rows = tables.shape[0]
+    lens = lengths.long()
+    width = min(int(lens.max()), window)
+    positions = lens[:, None] - width + torch.arange(width)[None, :]  # [rows, width], < 0 = padding
+    valid = positions >= 0
+    positions = positions.clamp(min=0)
+    blocks = tables.long().gather(1, positions // block_size)
+    slots = (blocks * block_size + positions % block_size).masked_fill(~valid, 0)
+    mask = None if bool(valid.all()) else valid[:, None, None, :].to(device)
+    return slots.reshape(-1).to(device), mask
 
 
 def context_slots(tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
@@ -93,13 +115,20 @@ class TorchPagedAttention:
 
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float):
         self.cache, self.meta, self.scale = cache, meta, scale
-        self._decode_slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # per window (None: the whole context): decode rows' slots and padding mask, built once per
+        # step and shared by every layer with that window
+        self._decode_slots: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         window: int | None) -> torch.Tensor:
         meta = self.meta
-        if self._decode_slots is None:  # once per step, shared by every layer
-            self._decode_slots = context_slots(meta.decode_tables, meta.decode_lens, meta.block_size, q.device)
-        slots, mask = self._decode_slots
+        if window not in self._decode_slots:
+            if window is None:
+                built = context_slots(meta.decode_tables, meta.decode_lens, meta.block_size, q.device)
+            else:
+                built = window_slots(meta.decode_tables, meta.decode_lens, meta.block_size, window, q.device)
+            self._decode_slots[window] = built
+        slots, mask = self._decode_slots[window]
         n = meta.num_decodes
         shape = (n, -1, k_cache.shape[1], k_cache.shape[2])
         # [n, num_kv_heads, max_context, head_dim]
@@ -110,18 +139,20 @@ class TorchPagedAttention:
                                               enable_gqa=True)
         return attn.reshape(n, -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self._gathered_decode(q, k_cache, v_cache)
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                window: int | None) -> torch.Tensor:
+        return self._gathered_decode(q, k_cache, v_cache, window)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
+        window = meta.window(layer)
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = self._decode(q[:n], k_cache, v_cache)
+            out[:n] = self._decode(q[:n], k_cache, v_cache, window)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.num_query)
             # [1, num_kv_heads, S, head_dim]
@@ -129,12 +160,14 @@ class TorchPagedAttention:
             values = v_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
             query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, L, head_dim]
             mask = None
-            if seq.first_position > 0:
+            if seq.first_position > 0 or window is not None:
                 rows_pos = torch.arange(seq.first_position, seq.first_position + seq.num_query, device=q.device)
-                mask = torch.arange(len(seq.context_slots), device=q.device)[None, :] <= rows_pos[:, None]
+                context_pos = torch.arange(len(seq.context_slots), device=q.device)[None, :]
+                mask = context_pos <= rows_pos[:, None]
+                if window is not None:  # position i sees i - window + 1 .. i
+                    mask &= context_pos > rows_pos[:, None] - window
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                                  is_causal=seq.first_position == 0, scale=self.scale,
-                                                  enable_gqa=True)
+                                                  is_causal=mask is None, scale=self.scale, enable_gqa=True)
             out[rows] = attn.squeeze(0).transpose(0, 1).reshape(seq.num_query, -1)
         return out
 
@@ -144,12 +177,13 @@ class KernelPagedAttention(TorchPagedAttention):
     no gathered copy of the context per layer. Prompt chunks keep SDPA (their cost is the
     quadratic math, not the copy)."""
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                window: int | None) -> torch.Tensor:
         meta = self.meta
         out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens,
-                                             meta.block_size, self.scale)
+                                             meta.block_size, self.scale, window=window)
         if out is None:  # a shape the kernel does not take
-            return self._gathered_decode(q, k_cache, v_cache)
+            return self._gathered_decode(q, k_cache, v_cache, window)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

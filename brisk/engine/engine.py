@@ -58,7 +58,14 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB), %.1f max-length (%d) sequences",
                  self.num_blocks, bs, self.num_blocks * bs, self.num_blocks * bs * bytes_per_token / 2**20,
                  self.num_blocks * bs / self.scheduler_config.max_model_len, self.scheduler_config.max_model_len)
-        self.kv = KVCacheManager(self.num_blocks, bs, self.cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, bs, self.cache_config.enable_prefix_caching,
+                                 loaded.config.kv_window)
+        if loaded.config.layer_windows:
+            windows = sorted({w for w in loaded.config.layer_windows if w is not None})
+            log.info("sliding-window attention: window %s on %d of %d layers%s", "/".join(map(str, windows)),
+                     sum(w is not None for w in loaded.config.layer_windows), loaded.config.num_layers,
+                     "; blocks out of the window are freed" if loaded.config.kv_window else
+                     " (full-attention layers keep every block)")
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(loaded, self.num_blocks, bs, seed)
         self.spec_config = speculative

@@ -68,7 +68,8 @@ class ModelRunner:
         if decode_tables:
             tables = block_tables(decode_tables, decode_lengths, self.block_size)
             lens = torch.tensor(decode_lengths, dtype=torch.int32)
-        meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), self.block_size, tables, lens, prefills)
+        meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), self.block_size, tables, lens, prefills,
+                                 self.loaded.config.layer_windows)
         return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
                 sample_rows, sample_requests, drafts)
 

@@ -186,6 +186,7 @@ class Scheduler:
             # drafted positions are computed but not yet part of the sequence: the engine counts the
             # accepted ones once the target has verified them
             request.num_computed_tokens += chunk.num_tokens - chunk.num_draft
+            self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
             if request.num_computed_tokens == request.num_tokens:
                 sampled.append(request)
         return sampled

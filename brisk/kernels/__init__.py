@@ -46,7 +46,7 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.brisk_kernels_force_scalar.argtypes = [ctypes.c_int]
     lib.brisk_kernels_force_scalar.restype = None
     lib.brisk_paged_decode_attention.argtypes = [p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64,
-                                                 ctypes.c_float, i64, p]
+                                                 ctypes.c_float, i64, i64, p]
     lib.brisk_paged_decode_attention.restype = ctypes.c_int
     lib.brisk_paged_attention_isa.restype = ctypes.c_int
     lib.brisk_paged_attention_force_isa.argtypes = [ctypes.c_int]
@@ -120,8 +120,10 @@ PART_TOKENS = 512  # context positions per work item; a row's parts are merged a
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, part_tokens: int = PART_TOKENS) -> torch.Tensor | None:
-    """One query per row attending to its context through its block table, in place in the cache.
+                           scale: float, part_tokens: int = PART_TOKENS, window: int | None = None
+                           ) -> torch.Tensor | None:
+    """One query per row attending to its context through its block table, in place in the cache
+    (with `window`: to the row's last `window` positions only).
 
     q [rows, heads, dim]; k_cache/v_cache [slots, kv_heads, dim] float32 or bfloat16 (contiguous);
     block_tables [rows, max_blocks] int32; context_lens [rows] int32. Returns [rows, heads * dim]
@@ -139,7 +141,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     code = lib.brisk_paged_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                             int(k_cache.dtype == torch.bfloat16), tables.data_ptr(),
                                             tables.shape[1], lens.data_ptr(), rows, heads, k_cache.shape[1],
-                                            dim, block_size, scale, part_tokens, out.data_ptr())
+                                            dim, block_size, scale, part_tokens, window or 0, out.data_ptr())
     return None if code else out
 
 

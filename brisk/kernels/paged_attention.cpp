@@ -300,12 +300,14 @@ extern "C" {
 
 // Returns 0, or a nonzero code for shapes the kernel does not take (the caller then uses the
 // torch path): 1 head_dim > 256, 2 more than 128 query heads, 3 heads not a multiple of kv heads.
+// window > 0: each row attends to its last `window` positions only (sliding-window attention).
 // part_tokens (<= 0: whole rows) must not depend on the batch: a row's result then depends on
 // its own data only, whatever else is in the batch (greedy batch invariance).
 int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
                                  const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                 int64_t block_size, float scale, int64_t part_tokens, float* out) {
+                                 int64_t block_size, float scale, int64_t part_tokens, int64_t window,
+                                 float* out) {
     if (head_dim > MAX_DIM) return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 3;
     if (num_heads > MAX_HEADS) return 2;
@@ -325,8 +327,12 @@ int brisk_paged_decode_attention(const float* q, const void* k_cache, const void
 
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
     for (int64_t i = 0; i < items; i++) {
-        const int64_t row = i / parts, start = (i % parts) * part_tokens;
-        const int64_t end = std::min<int64_t>(start + part_tokens, context_lens[row]);
+        const int64_t row = i / parts;
+        // a sliding window (> 0) sees only the row's last `window` positions: earlier parts are
+        // empty and earlier blocks are never read (they may be freed, padded with block 0)
+        const int64_t first = window > 0 ? std::max<int64_t>(0, context_lens[row] - window) : 0;
+        const int64_t start = std::max<int64_t>((i % parts) * part_tokens, first);
+        const int64_t end = std::min<int64_t>((i % parts) * part_tokens + part_tokens, context_lens[row]);
         float* acc = state + i * per_item;
         float* m = acc + H * D;
         float* l = m + H;

@@ -107,6 +107,11 @@ def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, 
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "brisk_layout": BRISK_LAYOUT,
     }
+    window = key("attention.sliding_window", None, required=False)
+    if window:  # llama.cpp's key: every layer attends to the last `window` positions
+        config["sliding_window"] = int(window)
+        config["use_sliding_window"] = True
+        config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
     scaling = key("rope.scaling.type", None, required=False)
     if scaling and scaling != "none":
         config["rope_scaling"] = {

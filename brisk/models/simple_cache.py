@@ -24,6 +24,7 @@ class SingleSequenceCache:
         self.num_cached = 0
         self.num_new = 0
         self.scale = cfg.head_dim ** -0.5
+        self.layer_windows = cfg.layer_windows
 
     def begin(self, num_new_tokens: int) -> None:
         if self.num_cached + num_new_tokens > self.max_len:
@@ -43,12 +44,16 @@ class SingleSequenceCache:
         keys = self.k[layer, :end].transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, S, head_dim]
         values = self.v[layer, :end].transpose(0, 1).unsqueeze(0)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, T, head_dim]
+        window = self.layer_windows[layer] if self.layer_windows else None
         mask = None
-        if self.num_new > 1 and start > 0:
+        if (self.num_new > 1 and start > 0) or window is not None:
             rows = torch.arange(start, end, device=q.device)[:, None]
-            mask = torch.arange(end, device=q.device)[None, :] <= rows  # [T, S]
+            context = torch.arange(end, device=q.device)[None, :]
+            mask = context <= rows  # [T, S]
+            if window is not None:  # sliding window: position i sees i - window + 1 .. i
+                mask &= context > rows - window
         out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, is_causal=(start == 0 and self.num_new > 1),
+            query, keys, values, attn_mask=mask, is_causal=(mask is None and self.num_new > 1),
             scale=self.scale, enable_gqa=True,
         )  # [1, num_heads, T, head_dim]
         return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)

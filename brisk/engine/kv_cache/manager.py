@@ -49,16 +49,27 @@ class KVCacheUsage:
         return 1 - self.num_used_slots / (self.num_used_blocks * self.block_size)
 
 
+# Stands in a request's block list for a block freed because it fell out of the sliding window:
+# positions keep their block index, and the block table points at block 0 there (finite values,
+# never read: the window excludes those positions).
+WINDOW_FREED = KVBlock(block_id=0, ref_cnt=1)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_tokens: dict[str, int] = {}  # tokens whose slots are allocated
         self.req_num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the prefix cache
+        self.req_num_window_freed: dict[str, int] = {}  # leading blocks freed out of the sliding window
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
 
@@ -121,8 +132,28 @@ class KVCacheManager:
             return
         hashes = self._hashes(request)
         for i in range(done, num_full):
-            self.pool.cache(blocks[i], hashes[i])
+            if blocks[i] is not WINDOW_FREED:
+                self.pool.cache(blocks[i], hashes[i])
         self.req_num_cached_blocks[rid] = num_full
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """With a sliding window W (every layer windowed): the next position computed is at least
+        `num_computed_tokens`, and it sees positions > num_computed_tokens - W; blocks wholly before
+        that are returned to the pool (they keep their prefix-cache hash, so a later request with
+        the same prefix can still revive them). A sequence then holds at most ceil(W / block_size)
+        + 1 blocks while it decodes, however long it grows."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_blocks.get(request_id)
+        if not blocks:
+            return
+        first_needed = num_computed_tokens - self.sliding_window + 1
+        num_dead = min(max(first_needed, 0) // self.block_size, len(blocks))
+        done = self.req_num_window_freed.get(request_id, 0)
+        if num_dead > done:
+            self.pool.free(list(reversed(blocks[done:num_dead])))
+            blocks[done:num_dead] = [WINDOW_FREED] * (num_dead - done)
+            self.req_num_window_freed[request_id] = num_dead
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Keep slots for the request's first `num_tokens` tokens only: rejected draft tokens give
@@ -142,10 +173,11 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release every block the request holds (tail first, so its prefix outlives its tail)."""
         blocks = self.req_blocks.pop(request_id, [])
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free([b for b in reversed(blocks) if b is not WINDOW_FREED])
         self.req_hashes.pop(request_id, None)
         self.req_num_tokens.pop(request_id, None)
         self.req_num_cached_blocks.pop(request_id, None)
+        self.req_num_window_freed.pop(request_id, None)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
@@ -159,7 +191,8 @@ class KVCacheManager:
         # Slots filled, each used block counted once. A request's blocks hold exactly its tokens
         # (it has ceil(tokens / block_size) blocks); a block held by k requests is a full, shared
         # prefix block, counted k times in that sum: subtract the k - 1 extra copies.
-        tokens = sum(self.req_num_tokens[rid] for rid in self.req_blocks)
-        references = sum(len(blocks) for blocks in self.req_blocks.values())
+        freed = self.req_num_window_freed
+        tokens = sum(self.req_num_tokens[rid] - freed.get(rid, 0) * self.block_size for rid in self.req_blocks)
+        references = sum(len(blocks) - freed.get(rid, 0) for rid, blocks in self.req_blocks.items())
         return KVCacheUsage(self.pool.num_blocks, num_used, self.pool.num_cached_free_blocks,
                             tokens - (references - num_used) * self.block_size, self.block_size)
