@@ -14,11 +14,13 @@ Workloads:
 
     .venv/bin/python benchmarks/speculative.py [--workloads grounded-1,chat-1,...] [--runs 2]
         [--config '{"method": "ngram", "num_speculative_tokens": 4}'] [--max-tokens 160]
+        [--truncated-draft N]   (draft model: the demo model cut to its first N layers)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -95,10 +97,10 @@ def prompts(tok, workload: str) -> list[list[int]]:
     raise SystemExit(f"unknown workload {workload}")
 
 
-def run_once(loaded, batch: list[list[int]], streams: int, spec, max_tokens: int):
+def run_once(loaded, batch: list[list[int]], streams: int, spec, max_tokens: int, draft=None):
     engine = LLMEngine(loaded, CacheConfig(block_size=16, num_gpu_blocks_override=4096),
                        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048),
-                       speculative=spec)
+                       speculative=spec, draft=draft if spec is not None else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     outputs, decode_s, decode_tokens = [], 0.0, 0
     for start in range(0, len(batch), streams):
@@ -129,9 +131,21 @@ def main() -> None:
                                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--truncated-draft", type=int, default=None, metavar="N",
+                    help="speculate with a draft model: the demo model's first N layers (written to /tmp)")
     args = ap.parse_args()
-    spec = SpeculativeConfig.parse(args.config)
     loaded = load("smollm2-135m-instruct", quantization=args.quantization)
+    draft = None
+    if args.truncated_draft:
+        from brisk.loading.gguf_random import write_truncated_gguf
+        from brisk.models.registry import resolve
+
+        path = Path(f"/tmp/brisk-draft-{args.truncated_draft}.gguf")
+        if not path.exists():
+            write_truncated_gguf(resolve("smollm2-135m-instruct").path, path, args.truncated_draft)
+        args.config = json.dumps({"model": str(path), "num_speculative_tokens": 4})
+        draft = load(str(path), quantization=args.quantization, max_model_len=loaded.max_model_len)
+    spec = SpeculativeConfig.parse(args.config)
     bandwidth, how = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); demo model, quantization {args.quantization}; {args.config}")
     print(f"{'workload':<12} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'accept':>7} {'tok/verify':>10} "
@@ -143,7 +157,7 @@ def main() -> None:
         ref = None
         for _ in range(args.runs):
             for name, config in (("off", None), ("on", spec)):
-                out, rate, st = run_once(loaded, batch, streams, config, args.max_tokens)
+                out, rate, st = run_once(loaded, batch, streams, config, args.max_tokens, draft)
                 if ref is None:
                     ref = out
                 elif out != ref:

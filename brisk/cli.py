@@ -86,8 +86,12 @@ def speculative_config(args: argparse.Namespace):
         return None
     config = SpeculativeConfig.parse(args.speculative_config)
     if config.method == "draft_model":
-        raise BriskError(f"--speculative-config: draft-model speculation ({config.model}) is not implemented in "
-                         "brisk yet; use {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
+        from brisk.models.registry import resolve
+
+        try:
+            resolve(config.model)
+        except BriskError as e:
+            raise BriskError(f"--speculative-config model: {e}") from None
     return config
 
 
@@ -95,7 +99,15 @@ def build_engine(args: argparse.Namespace, loaded):
     from brisk.engine.engine import LLMEngine
 
     cache, sched = engine_configs(args, loaded.max_model_len)
-    return LLMEngine(loaded, cache, sched, seed=args.seed or 0, speculative=speculative_config(args))
+    speculative = speculative_config(args)
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        from brisk.loading.loader import load
+
+        # the target's device, dtype and quantization; positions up to the target's context
+        draft = load(speculative.model, device=str(loaded.device), dtype=args.dtype, quantization=args.quantization,
+                     max_model_len=loaded.max_model_len, warmup=False)
+    return LLMEngine(loaded, cache, sched, seed=args.seed or 0, speculative=speculative, draft=draft)
 
 
 def build_parser() -> argparse.ArgumentParser:

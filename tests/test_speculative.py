@@ -143,6 +143,40 @@ def test_rejection_sampling_keeps_the_distribution_of_three_token_continuations(
     assert chisquare(observed, expected).pvalue > P_VALUE
 
 
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribution():
+    """A draft model samples its tokens from its own q: accept with min(1, p/q), correct from
+    max(0, p - q). Over 3-token continuations of two different Markov chains (target p, draft q),
+    the emitted continuations follow p (chi-square, 64 categories)."""
+    rng = torch.Generator().manual_seed(4)
+    p_chain = torch.softmax(torch.randn(4, 4, generator=rng) * 1.5, dim=-1)
+    q_chain = torch.softmax(torch.randn(4, 4, generator=rng) * 1.5, dim=-1)
+    gen = torch.Generator().manual_seed(12)
+    counts, accepted, drafted = {}, 0, 0
+    for _ in range(15_000):
+        out, last = [], 0
+        while len(out) < 3:
+            draft, q_rows, p_rows, prev = [], [], [], last
+            for _ in range(3 - len(out)):  # the draft runs ahead on its own chain
+                q_rows.append(q_chain[prev])
+                p_rows.append(p_chain[prev])
+                prev = int(torch.multinomial(q_chain[prev], 1, generator=gen)[0])
+                draft.append(prev)
+            p_rows.append(p_chain[prev])
+            emitted = verify_sampled(torch.stack(p_rows), draft, gen, torch.stack(q_rows))
+            accepted += len(emitted) - 1 if len(emitted) <= len(draft) else len(draft)
+            drafted += len(draft)
+            out += emitted
+            last = out[-1]
+        counts[tuple(out[:3])] = counts.get(tuple(out[:3]), 0) + 1
+    expected = [float(p_chain[0, a] * p_chain[a, b] * p_chain[b, c])
+                for a in range(4) for b in range(4) for c in range(4)]
+    expected = [15_000 * e / sum(expected) for e in expected]
+    expected[-1] = 15_000 - sum(expected[:-1])
+    observed = [counts.get((a, b, c), 0) for a in range(4) for b in range(4) for c in range(4)]
+    assert chisquare(observed, expected).pvalue > P_VALUE
+    assert 0.2 < accepted / drafted < 0.95  # the chains differ: partial acceptance
+
+
 # -- policy and KV bookkeeping (pure Python) ------------------------------------
 def test_low_acceptance_pauses_drafting_with_a_growing_cooldown():
     state = SpecState(NgramIndex(2, 4))
@@ -377,3 +411,82 @@ def test_server_reports_speculation_in_usage_and_honours_opt_out(demo):
     assert "spec_drafted_tokens" not in off.usage.model_extra["brisk"]
     assert on.choices[0].message.content == off.choices[0].message.content
     assert bad.status_code == 400 and "speculative" in bad.text
+
+
+# -- draft-model speculation -------------------------------------------------------
+DRAFT_LAYERS = 20  # of the demo's 30: a real, smaller draft that agrees with it only in part
+
+
+@pytest.fixture(scope="session")
+def draft_path(tmp_path_factory, demo_gguf_path):
+    from brisk.loading.gguf_random import write_truncated_gguf
+
+    return write_truncated_gguf(demo_gguf_path, tmp_path_factory.mktemp("draft") / "draft.gguf", DRAFT_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def draft_fp32(draft_path, demo_fp32):
+    from brisk.loading.loader import load
+
+    return load(str(draft_path), quantization="none", max_model_len=demo_fp32.max_model_len, warmup=False)
+
+
+def draft_config(draft_path, **kw):
+    return SpeculativeConfig(method="draft_model", model=str(draft_path), num_speculative_tokens=4,
+                             min_acceptance_rate=0.0, **kw)
+
+
+def draft_engine(target, draft, path, **kw):
+    engine_kw = {k: kw.pop(k) for k in ("num_blocks",) if k in kw}
+    return LLMEngine(target, CacheConfig(block_size=16, num_gpu_blocks_override=engine_kw.get("num_blocks", 2048)),
+                     SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024),
+                     speculative=draft_config(path, **kw), draft=draft)
+
+
+def _partial_acceptance(engine):
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    return stats
+
+
+def test_greedy_with_a_draft_model_equals_plain_decoding_at_batch_1(demo_fp32, draft_fp32, draft_path,
+                                                                     spec_prompts, reference):
+    # (a draft step costs k draft forwards and one target forward: 8 prompts here, 64 with n-grams)
+    engine = draft_engine(demo_fp32, draft_fp32, draft_path)
+    assert [o.token_ids for o in run(engine, spec_prompts[::8], GREEDY, wave=1)] == reference[::8]
+    _partial_acceptance(engine)
+
+
+def test_greedy_with_a_draft_model_equals_plain_decoding_at_batch_16(demo_fp32, draft_fp32, draft_path,
+                                                                      spec_prompts, reference):
+    engine = draft_engine(demo_fp32, draft_fp32, draft_path, disable_by_batch_size=16)
+    assert [o.token_ids for o in run(engine, spec_prompts[::2], GREEDY, wave=16)] == reference[::2]
+    _partial_acceptance(engine)
+
+
+def test_greedy_with_a_draft_model_under_preemption(demo_fp32, draft_fp32, draft_path, spec_prompts, reference):
+    engine = draft_engine(demo_fp32, draft_fp32, draft_path, disable_by_batch_size=64, num_blocks=64)
+    assert [o.token_ids for o in run(engine, spec_prompts[1::2], GREEDY)] == reference[1::2]
+    stats = _partial_acceptance(engine)
+    assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
+
+
+def test_sampled_draft_model_requests_run_and_report_their_counts(demo_fp32, draft_fp32, draft_path, spec_prompts):
+    engine = draft_engine(demo_fp32, draft_fp32, draft_path)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=1)
+    outs = run(engine, spec_prompts[:4], params, wave=1)
+    assert all(len(o.token_ids) == NUM_TOKENS and len(o.logprobs) == NUM_TOKENS for o in outs)
+    assert sum(o.metrics["spec_drafted_tokens"] for o in outs) == engine.stats().spec_draft_tokens > 0
+
+
+def test_a_draft_with_another_vocabulary_or_not_smaller_is_refused(demo_fp32, draft_fp32, draft_path, tmp_path):
+    from brisk.loading.gguf_random import Shape, write_random_gguf
+    from brisk.loading.loader import load
+
+    other = write_random_gguf(tmp_path / "other.gguf", Shape(hidden=64, layers=1, ffn=128, heads=2, kv_heads=1),
+                              "F32", None, small_vocab=128)
+    small = load(str(other), quantization="none", max_model_len=1024, warmup=False)
+    with pytest.raises(SpeculativeConfigError, match="vocabulary differs from the target's"):
+        draft_engine(demo_fp32, small, other)
+    with pytest.raises(SpeculativeConfigError, match="is not smaller than the target"):
+        draft_engine(draft_fp32, demo_fp32, "demo")  # the 30-layer model drafting for the 20-layer one

@@ -43,7 +43,7 @@ class _Pending:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None,
                  scheduler: SchedulerConfig | None = None, seed: int = 0,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
@@ -71,14 +71,22 @@ class LLMEngine:
         self.spec_config = speculative
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         self.drafter = None
-        if speculative is not None:
-            if speculative.method != "ngram":
-                raise SpeculativeConfigError(f"--speculative-config: method {speculative.method} is not "
-                                             "implemented in brisk yet; use {\"method\": \"ngram\"}")
+        if speculative is not None and speculative.method == "ngram":
             self.drafter = NgramDrafter(speculative, self.scheduler_config.max_model_len)
-            log.info("speculative decoding: %s, %d tokens, n-gram %d..%d, off above %d running requests",
-                     speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-                     speculative.prompt_lookup_max, speculative.disable_by_batch_size)
+            log.info("speculative decoding: n-gram %d..%d, %d tokens, off above %d running requests",
+                     speculative.prompt_lookup_min, speculative.prompt_lookup_max,
+                     speculative.num_speculative_tokens, speculative.disable_by_batch_size)
+        elif speculative is not None:
+            if draft is None:
+                raise SpeculativeConfigError("--speculative-config: method draft_model needs the draft model "
+                                             "loaded (LLMEngine(draft=...))")
+            from brisk.engine.spec_decode.draft_model import DraftModelProposer
+
+            self.drafter = DraftModelProposer(speculative, loaded, draft, self.num_blocks, bs,
+                                              self.scheduler_config.max_model_len, self.runner.sampler.generator_of)
+            log.info("speculative decoding: draft model %s (%d layers), %d tokens, off above %d running requests",
+                     speculative.model, draft.config.num_layers, speculative.num_speculative_tokens,
+                     speculative.disable_by_batch_size)
         self._ids = itertools.count()
         self._pending: dict[str, _Pending] = {}
         self.num_steps = 0
@@ -144,6 +152,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        if self.drafter is not None:
+            self.drafter.draft(out.chunks)
         sampled, samples = self.runner.execute(out.chunks)
         for chunk in out.chunks:  # before advance: num_computed_tokens is still where the chunk starts
             prompt_left = len(chunk.request.prompt_token_ids) - chunk.request.num_computed_tokens
@@ -163,21 +173,24 @@ class LLMEngine:
                     for i, (request, token) in enumerate(zip(sampled, token_ids))]
         outputs, row = [], 0
         for request, num_rows, num_emitted in zip(sampled, samples.num_rows, samples.num_emitted):
+            if num_rows > 1:  # booked first: a final output's metrics include this step's draft
+                self.spec_stats.record(num_rows - 1, num_emitted - 1)
+                request.spec.record(num_rows - 1, num_emitted - 1, self.spec_config.min_acceptance_rate)
             outputs.append(self._append_tokens(request, token_ids[row:row + num_emitted], now, extras, row))
             if num_rows > 1:
-                self._verified(request, num_rows - 1, num_emitted - 1)
+                self._verified(request)
             row += num_rows
         return outputs
 
-    def _verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """Book a verified draft; a request still running keeps the K/V of its accepted drafts
+    def _verified(self, request: Request) -> None:
+        """After a verified draft, a request still running keeps the K/V of its accepted drafts
         (computed this step) and gives back the rejected ones' slots."""
-        self.spec_stats.record(num_drafted, num_accepted)
-        request.spec.record(num_drafted, num_accepted, self.spec_config.min_acceptance_rate)
         request.spec_token_ids = []
         if not request.status.finished:
             request.num_computed_tokens = request.num_tokens - 1
             self.kv.truncate(request.request_id, request.num_computed_tokens)
+            # a draft model's K/V stays valid up to the last accepted position
+            request.spec.draft_computed = min(request.spec.draft_computed, request.num_computed_tokens)
 
     def _append_tokens(self, request: Request, tokens: list[int], now: float, extras, row: int) -> RequestOutput:
         """Append a step's tokens (one, or several after a verified draft) until the request

@@ -4,6 +4,8 @@ logits for the rows that sample, and the sampler."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from brisk.engine.attention import (AttentionMetadata, PagedKVCache, PrefillSeq, attention_backend, block_tables,
@@ -27,51 +29,27 @@ class ModelRunner:
         self.attention = attention_backend(torch.device(loaded.device), loaded.dtype)
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        """Slots of positions start..end-1 (the step's new tokens: O(new tokens))."""
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-
     def _prepare(self, chunks: list[ScheduledChunk]):
         # decodes (with their drafts) first, order kept otherwise
         chunks = sorted(chunks, key=lambda c: c.num_tokens - c.num_draft > 1)
-        input_ids, positions, slot_mapping = [], [], []
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
-        prefills: list[PrefillSeq] = []
-        sample_rows, sample_requests, drafts = [], [], []
+        seqs, sample_requests, drafts, sampled = [], [], [], []
         for chunk in chunks:
             req = chunk.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
-            row = len(input_ids)
             draft = req.spec_token_ids[:chunk.num_draft]
-            input_ids += _tokens(req, start, end - chunk.num_draft) + draft
-            positions += range(start, end)
-            slot_mapping += self._slots(chunk.block_ids, start, end)
-            if chunk.num_tokens - chunk.num_draft == 1:
-                # a decode, and each drafted token as a decode row of its own that sees the
-                # positions before it: every row attends exactly as one-token decoding would, so
-                # verification reproduces its logits bit for bit
-                decode_tables += [chunk.block_ids] * (1 + chunk.num_draft)
-                decode_lengths += range(start + 1, end + 1)
-            else:
-                table = block_tables([chunk.block_ids], [end], self.block_size)
-                context, _ = context_slots(table, torch.tensor([end]), self.block_size, self.device)
-                prefills.append(PrefillSeq(row, chunk.num_tokens, context, start))
+            # a decode, and each drafted token as a decode row of its own that sees the positions
+            # before it: every row attends exactly as one-token decoding would, so verification
+            # reproduces its logits bit for bit
+            seqs.append(SeqSlice(_tokens(req, start, end - chunk.num_draft) + draft, start, chunk.block_ids,
+                                 as_decode_rows=chunk.num_tokens - chunk.num_draft == 1))
             if end - chunk.num_draft == req.num_tokens:  # the last known token: its logits give the next one
                 # (and with a draft, each drafted position's logits verify the next draft token)
-                sample_rows += range(row + chunk.num_tokens - 1 - chunk.num_draft, row + chunk.num_tokens)
+                sampled.append((len(seqs) - 1, 1 + chunk.num_draft))
                 sample_requests.append(req)
                 drafts.append(draft)
-        dev = self.device
-        tables = lens = None
-        if decode_tables:
-            tables = block_tables(decode_tables, decode_lengths, self.block_size)
-            lens = torch.tensor(decode_lengths, dtype=torch.int32)
-        meta = AttentionMetadata(torch.tensor(slot_mapping, device=dev), self.block_size, tables, lens, prefills,
-                                 self.loaded.config.layer_windows)
-        return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
-                sample_rows, sample_requests, drafts)
+        batch = build_batch(seqs, self.block_size, self.device, self.loaded.config.layer_windows)
+        sample_rows = [row for i, n in sampled for row in range(batch.ends[i] - n, batch.ends[i])]
+        return batch.input_ids, batch.positions, batch.meta, sample_rows, sample_requests, drafts
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], SamplerOutput | None]:
@@ -95,3 +73,53 @@ def _tokens(req: Request, start: int, end: int) -> list[int]:
     if end <= p:
         return prompt[start:end]
     return prompt[start:] + req.output_token_ids[:end - p]
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's new tokens in a flat batch."""
+
+    tokens: list[int]
+    start: int  # position of tokens[0] (= tokens already in the cache)
+    block_ids: list[int]  # covering positions 0 .. start + len(tokens) - 1
+    as_decode_rows: bool  # each token attends as a decode row (decodes and drafted tokens)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    ends: list[int]  # per slice: its last row + 1 in the flat batch
+
+
+def build_batch(seqs: list[SeqSlice], block_size: int, device, layer_windows: tuple = ()) -> Batch:
+    """The flat batch and its attention metadata (slots of the new tokens: O(new tokens); decode
+    rows as block tables; prompt chunks with their context slots). Decode-row slices must come
+    first."""
+    input_ids, positions, slot_mapping, ends = [], [], [], []
+    decode_tables: list[list[int]] = []
+    decode_lengths: list[int] = []
+    prefills: list[PrefillSeq] = []
+    for seq in seqs:
+        row, start, end = len(input_ids), seq.start, seq.start + len(seq.tokens)
+        input_ids += seq.tokens
+        positions += range(start, end)
+        slot_mapping += [seq.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        if seq.as_decode_rows:
+            if prefills:
+                raise ValueError("decode rows must come before prompt chunks in a batch")
+            decode_tables += [seq.block_ids] * len(seq.tokens)
+            decode_lengths += range(start + 1, end + 1)
+        else:
+            table = block_tables([seq.block_ids], [end], block_size)
+            context, _ = context_slots(table, torch.tensor([end]), block_size, device)
+            prefills.append(PrefillSeq(row, len(seq.tokens), context, start))
+        ends.append(len(input_ids))
+    tables = lens = None
+    if decode_tables:
+        tables = block_tables(decode_tables, decode_lengths, block_size)
+        lens = torch.tensor(decode_lengths, dtype=torch.int32)
+    meta = AttentionMetadata(torch.tensor(slot_mapping, device=device), block_size, tables, lens, prefills,
+                             layer_windows)
+    return Batch(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), meta, ends)

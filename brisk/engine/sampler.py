@@ -37,6 +37,10 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
+    def generator_of(self, request: Request) -> torch.Generator:
+        """The request's own generator (seeded requests) or the shared one."""
+        return self._generator(request)
+
     def _generator(self, request: Request) -> torch.Generator:
         if request.params.seed is None:
             return self.generator
@@ -68,14 +72,16 @@ class Sampler:
         if len(greedy) == len(row_requests):  # all greedy: no copy of the [rows, vocab] logits
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = torch.empty(len(row_requests), dtype=torch.long, device=logits.device)
+            # zeros, not empty: a sampled request's rows past its emitted tokens stay unset and
+            # must still be valid ids for the logprobs gather below
+            token_ids = torch.zeros(len(row_requests), dtype=torch.long, device=logits.device)
             if greedy:
                 token_ids[greedy] = logits[greedy].argmax(dim=-1)
         num_emitted = None
         if drafts is None:
             for i, request in enumerate(requests):
                 if not request.params.greedy:
-                    probs = _filtered_probs(logits[i], request)
+                    probs = filtered_probs(logits[i], request)
                     token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request))[0]
         else:
             num_emitted = self._verify(logits, token_ids, requests, drafts)
@@ -97,8 +103,10 @@ class Sampler:
             if request.params.greedy:
                 n = verify_greedy(greedy_ids[rows], draft) if draft else 1
             else:
-                probs = torch.stack([_filtered_probs(r, request) for r in logits[rows]])
-                emitted = verify_sampled(probs, draft, self._generator(request))
+                probs = torch.stack([filtered_probs(r, request) for r in logits[rows]])
+                # a draft model's own distributions; None for the n-gram proposer (a point mass)
+                draft_probs = request.spec.draft_probs if draft and request.spec is not None else None
+                emitted = verify_sampled(probs, draft, self._generator(request), draft_probs)
                 token_ids[row:row + len(emitted)] = torch.tensor(emitted, device=token_ids.device)
                 n = len(emitted)
             num_emitted.append(n)
@@ -128,7 +136,7 @@ def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
     row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
 
 
-def _filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:
+def filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:
     p = request.params
     # NOTE: extreme but valid settings (a repetition penalty near 0, a temperature near the greedy
     # cut-off) can push logits to +-inf; keep them finite so softmax never yields NaN.

@@ -113,3 +113,36 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_truncated_gguf(source: Path, path: Path, num_layers: int) -> Path:
+    """A copy of `source` keeping only its first `num_layers` transformer blocks (same tokenizer,
+    embeddings, final norm and head, tensors copied as stored): a real, smaller draft model for
+    speculative decoding whose predictions agree with the full model's only in part."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    block_count = f"{arch}.block_count"
+    if not 1 <= num_layers <= reader.fields[block_count].contents():
+        raise ValueError(f"{source} has {reader.fields[block_count].contents()} layers; cannot keep {num_layers}")
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # written by the writer itself
+        value = num_layers if key == block_count else field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= num_layers:
+            continue
+        # the reader's data is the stored values ([rows, bytes per row] for quantized types)
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

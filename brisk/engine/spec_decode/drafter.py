@@ -1,6 +1,12 @@
-"""Proposes each running request's draft tokens before the scheduler runs (pure Python)."""
+"""Who drafts this step and how many tokens (pure Python), and the n-gram proposer's step.
+
+A proposer has two calls per engine step: `propose(running)` before the scheduler (sets each
+request's `spec_token_ids`; the scheduler only counts them against its budget and memory) and
+`draft(chunks)` after it (a draft model fills the tokens in then, once their KV slots exist)."""
 
 from __future__ import annotations
+
+from typing import Iterator
 
 from brisk.engine.request import Request
 from brisk.engine.spec_decode.config import SpeculativeConfig
@@ -16,28 +22,39 @@ def can_speculate(request: Request) -> bool:
     return p.speculative and not p.needs_penalties and request.grammar is None
 
 
+def drafting(running: list[Request], config: SpeculativeConfig, max_model_len: int) -> Iterator[tuple[Request, int]]:
+    """(request, most tokens it may draft) for each running request that drafts this step; every
+    running request's `spec_token_ids` is cleared first."""
+    allowed = len(running) <= config.disable_by_batch_size
+    for request in running:
+        request.spec_token_ids = []
+        # only a request that is decoding (its prompt is done) drafts
+        if not allowed or request.num_computed_tokens != request.num_tokens - 1 or not can_speculate(request):
+            continue
+        if request.spec is None:
+            request.spec = SpecState()
+        if not request.spec.ready():
+            continue
+        # drafts past max_tokens or the context window could never be emitted
+        limit = min(config.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1,
+                    max_model_len - request.num_tokens)
+        if limit > 0:
+            yield request, limit
+
+
 class NgramDrafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
 
     def propose(self, running: list[Request]) -> None:
-        """Set `spec_token_ids` of every running request (empty where it does not draft this step)."""
         cfg = self.config
-        allowed = len(running) <= cfg.disable_by_batch_size
-        for request in running:
-            request.spec_token_ids = []
-            # only a request that is decoding (its prompt is done) drafts
-            if not allowed or request.num_computed_tokens != request.num_tokens - 1 or not can_speculate(request):
-                continue
-            if request.spec is None:
-                request.spec = SpecState(NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
-            if not request.spec.ready():
-                continue
-            # drafts past max_tokens or the context window could never be emitted
-            limit = min(cfg.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1,
-                        self.max_model_len - request.num_tokens)
-            if limit <= 0:
-                continue
-            request.spec.index.extend(request.prompt_token_ids, request.output_token_ids)
-            request.spec_token_ids = request.spec.index.propose(limit)
+        for request, limit in drafting(running, cfg, self.max_model_len):
+            state = request.spec
+            if state.index is None:
+                state.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            state.index.extend(request.prompt_token_ids, request.output_token_ids)
+            request.spec_token_ids = state.index.propose(limit)
+
+    def draft(self, chunks) -> None:
+        """Nothing to do after scheduling: the n-gram proposals are the tokens."""

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from brisk.engine.spec_decode.ngram import NgramIndex
 
@@ -24,12 +25,17 @@ FIRST_COOLDOWN, MAX_COOLDOWN = 16, 256
 class SpecState:
     """One request's speculation state."""
 
-    index: NgramIndex
+    index: NgramIndex | None = None  # the n-gram proposer's index of the sequence
     num_drafted: int = 0
     num_accepted: int = 0
     ema: float = 1.0
     cooldown_left: int = 0
     next_cooldown: int = FIRST_COOLDOWN
+    # a draft model's: positions whose K/V its cache holds, the preemption count it was computed
+    # under (a preempted request's blocks are gone), and this step's draft distributions [k, vocab]
+    draft_computed: int = 0
+    preemptions_seen: int = 0
+    draft_probs: Any = None
 
     def ready(self) -> bool:
         """Whether this step may draft (counts down a cool-down)."""
