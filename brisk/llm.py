@@ -9,6 +9,7 @@ from brisk.engine.engine import LLMEngine
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import SchedulerConfig
+from brisk.engine.spec_decode.config import SpeculativeConfig
 from brisk.loading.loader import load
 from brisk.structured.compiler import GrammarCompiler
 
@@ -18,16 +19,23 @@ class LLM:
                  quantization: str = "auto",
                  max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_memory: int | None = None,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, seed: int = 0):
+                 max_num_batched_tokens: int = 512, seed: int = 0,
+                 speculative_config: dict[str, Any] | None = None):
+        # vLLM's argument: {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, ...}
+        speculative = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
         self.loaded = load(model, device=device, dtype=dtype, max_model_len=max_model_len,
                            quantization=quantization)
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = load(speculative.model, device=str(self.loaded.device), dtype=dtype,
+                         max_model_len=self.loaded.max_model_len, quantization=quantization, warmup=False)
         self.engine = LLMEngine(
             self.loaded,
             CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                         enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks),
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=self.loaded.max_model_len),
-            seed=seed,
+            seed=seed, speculative=speculative, draft=draft,
         )
         self.tokenizer = self.loaded.tokenizer
         # structured outputs: SamplingParams(grammar=llm.grammars.compile(spec)), spec from brisk.structured.spec

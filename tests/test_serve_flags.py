@@ -44,8 +44,10 @@ def serve_fails(*argv: str, cwd=None) -> tuple[str, float, str]:
     (["--max-model", "2048"], "unrecognized arguments: --max-model"),  # no silent abbreviations
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 4}'], "unknown method 'eagle'"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 32}'], "must be in [1, 16], got 32"),
+    (["--speculative-config", '{"model": "/nope/draft.gguf", "num_speculative_tokens": 4}'],
+     "--speculative-config model: "),
 ], ids=["over-window", "far-over-window", "kv-too-small", "no-model", "gpu-util", "fp8-kv", "template-syntax",
-        "template-missing", "block-size", "abbreviation", "spec-method", "spec-k"])
+        "template-missing", "block-size", "abbreviation", "spec-method", "spec-k", "spec-draft-missing"])
 def test_mistakes_fail_fast_in_one_line(argv, needle):
     line, elapsed, imported = serve_fails(*argv)
     assert needle in line, line

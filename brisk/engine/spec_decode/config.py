@@ -16,6 +16,7 @@ from brisk.errors import BriskError
 
 MAX_SPECULATIVE_TOKENS = 16
 METHODS = ("ngram", "draft_model")
+DEFAULT_MIN_ACCEPTANCE = {"ngram": 0.1, "draft_model": 0.3}
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
          "disable_by_batch_size", "min_acceptance_rate"}
 
@@ -35,8 +36,10 @@ class SpeculativeConfig:
     # forward is then wide enough that verifying k extra tokens per row costs more than it saves).
     disable_by_batch_size: int = 4
     # The acceptance rule: a request whose recent drafts are accepted at less than this rate stops
-    # drafting for a while (see spec_decode.policy).
-    min_acceptance_rate: float = 0.2
+    # drafting for a while (see spec_decode.policy). Defaults per method (parse): n-gram drafts cost
+    # little (a 5-row verification step costs ~1.3 one-row steps here), so 0.1; a draft model's
+    # k forwards cost more, so 0.3.
+    min_acceptance_rate: float = 0.1
 
     @classmethod
     def parse(cls, text: str | dict[str, Any]) -> "SpeculativeConfig":
@@ -85,7 +88,7 @@ class SpeculativeConfig:
         batch = _int(raw, "disable_by_batch_size", cls.disable_by_batch_size)
         if batch < 1:
             raise SpeculativeConfigError(f"--speculative-config: disable_by_batch_size must be >= 1, got {batch}")
-        rate = raw.get("min_acceptance_rate", cls.min_acceptance_rate)
+        rate = raw.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE[method])
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate < 1.0:
             raise SpeculativeConfigError(f"--speculative-config: min_acceptance_rate must be in [0, 1), got {rate!r}")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
