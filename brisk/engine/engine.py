@@ -52,6 +52,9 @@ class LLMEngine:
             raise BriskError(f"max_model_len {self.scheduler_config.max_model_len} exceeds the model's "
                              f"{loaded.max_model_len}")
         bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype.itemsize)
+        if draft is not None and speculative is not None and speculative.method == "draft_model":
+            # the draft keeps its own K/V for every slot of the pool: the budget holds both
+            bytes_per_token += draft.config.kv_bytes_per_token(draft.dtype.itemsize)
         self.num_blocks = self.cache_config.num_blocks(bytes_per_token, self.scheduler_config.max_model_len,
                                                        available_memory(loaded.device))
         bs = self.cache_config.block_size
