@@ -105,6 +105,15 @@ def test_seed_reproduces_and_n_choices_differ(client):
     assert many.usage.completion_tokens == 3 * 16 or any(c.finish_reason == "stop" for c in many.choices)
 
 
+def test_any_integer_seed_is_a_seed(client):
+    """Seeds past torch's 64-bit range are taken modulo 2**64 (OpenAI's seed is any integer; a
+    JSON Schema bound near 2**63 would be compared as a float by clients and fuzzers)."""
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0)
+    huge = client.chat.completions.create(seed=-(2**63) - 191, **kwargs).choices[0].message.content
+    wrapped = client.chat.completions.create(seed=(-(2**63) - 191) % 2**64, **kwargs).choices[0].message.content
+    assert huge == wrapped
+
+
 def test_chat_logprobs(client):
     resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
                                           top_logprobs=3)

@@ -306,13 +306,20 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None, grammar: Compi
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p,
-            seed=body.seed, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            seed=_torch_seed(body.seed), repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=_logit_bias(body),
             grammar=grammar, output_kind="delta", speculative=body.speculative)
     except ParamError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+
+
+def _torch_seed(seed: int | None) -> int | None:
+    """A request's seed as torch takes it: [-2**63, 2**64) as given, anything else modulo 2**64."""
+    if seed is None or -(2**63) <= seed < 2**64:
+        return seed
+    return seed % 2**64
 
 
 def _new_id(prefix: str) -> str:

@@ -55,7 +55,10 @@ def _int(**constraints: Any) -> Any:
 
 Int = _int()
 Choices = _int(ge=1, le=16, json_schema_extra={CHOICES_MARK: True})
-Seed = _int(ge=-(2**63), lt=2**64)
+# Any integer: torch seeds take [-2**63, 2**64) and the server reduces others modulo 2**64. (A
+# bound in the schema would be a float to JSON Schema tools: near 2**63 they round a value just
+# past it onto it and call it valid, while the server, comparing integers, would refuse it.)
+Seed = _int()
 TopK = _int(ge=0)
 NumLogprobs = _int(ge=0, le=MAX_LOGPROBS)
 Text = Annotated[str, AfterValidator(_valid_unicode)]
