@@ -3,7 +3,6 @@ the engine end to end on the demo model. Greedy output with speculation must equ
 it token for token; sampled output must follow the same distribution (chi-square tests)."""
 
 import math
-import random
 
 import pytest
 import torch

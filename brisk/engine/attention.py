@@ -66,7 +66,6 @@ def window_slots(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, w
     """Like context_slots, for a sliding window: slots of each row's last min(length, window)
     positions only, flat [rows * width] with width = min(max(lengths), window), right-aligned
     (padding, masked out, at the start of short rows). Blocks before the window are never read."""
-    rows = tables.shape[0]
     lens = lengths.long()
     width = min(int(lens.max()), window)
     positions = lens[:, None] - width + torch.arange(width)[None, :]  # [rows, width], < 0 = padding

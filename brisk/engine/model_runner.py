@@ -40,7 +40,7 @@ class ModelRunner:
             # a decode, and each drafted token as a decode row of its own that sees the positions
             # before it: every row attends exactly as one-token decoding would, so verification
             # reproduces its logits bit for bit
-            seqs.append(SeqSlice(_tokens(req, start, end - chunk.num_draft) + draft, start, chunk.block_ids,
+            seqs.append(SeqSlice(sequence_tokens(req, start, end - chunk.num_draft) + draft, start, chunk.block_ids,
                                  as_decode_rows=chunk.num_tokens - chunk.num_draft == 1))
             if end - chunk.num_draft == req.num_tokens:  # the last known token: its logits give the next one
                 # (and with a draft, each drafted position's logits verify the next draft token)
@@ -64,7 +64,7 @@ class ModelRunner:
         return sample_requests, self.sampler(logits, sample_requests, drafts if any(drafts) else None)
 
 
-def _tokens(req: Request, start: int, end: int) -> list[int]:
+def sequence_tokens(req: Request, start: int, end: int) -> list[int]:
     """Tokens start..end-1 of prompt + output, without concatenating the whole sequence."""
     prompt = req.prompt_token_ids
     p = len(prompt)

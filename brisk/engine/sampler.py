@@ -39,9 +39,6 @@ class Sampler:
 
     def generator_of(self, request: Request) -> torch.Generator:
         """The request's own generator (seeded requests) or the shared one."""
-        return self._generator(request)
-
-    def _generator(self, request: Request) -> torch.Generator:
         if request.params.seed is None:
             return self.generator
         gen = self.request_generators.get(request.request_id)
@@ -82,7 +79,7 @@ class Sampler:
             for i, request in enumerate(requests):
                 if not request.params.greedy:
                     probs = filtered_probs(logits[i], request)
-                    token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request))[0]
+                    token_ids[i] = torch.multinomial(probs, 1, generator=self.generator_of(request))[0]
         else:
             num_emitted = self._verify(logits, token_ids, requests, drafts)
         out = SamplerOutput(token_ids, None, None, None, num_rows, num_emitted)
@@ -106,7 +103,7 @@ class Sampler:
                 probs = torch.stack([filtered_probs(r, request) for r in logits[rows]])
                 # a draft model's own distributions; None for the n-gram proposer (a point mass)
                 draft_probs = request.spec.draft_probs if draft and request.spec is not None else None
-                emitted = verify_sampled(probs, draft, self._generator(request), draft_probs)
+                emitted = verify_sampled(probs, draft, self.generator_of(request), draft_probs)
                 token_ids[row:row + len(emitted)] = torch.tensor(emitted, device=token_ids.device)
                 n = len(emitted)
             num_emitted.append(n)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from brisk.engine.attention import PagedKVCache, attention_backend
-from brisk.engine.model_runner import SeqSlice, _tokens, build_batch
+from brisk.engine.model_runner import SeqSlice, build_batch, sequence_tokens
 from brisk.engine.request import Request
 from brisk.engine.sampler import filtered_probs
 from brisk.engine.scheduler import ScheduledChunk
@@ -88,7 +88,7 @@ class DraftModelProposer:
             if state.preemptions_seen != request.num_preemptions:  # its blocks (and draft K/V) are gone
                 state.draft_computed, state.preemptions_seen = 0, request.num_preemptions
             start = min(state.draft_computed, request.num_tokens - 1)
-            seqs.append((chunk, start, _tokens(request, start, request.num_tokens)))
+            seqs.append((chunk, start, sequence_tokens(request, start, request.num_tokens)))
         seqs.sort(key=lambda s: len(s[2]) > 1)  # one-token catch-ups first (decode rows)
         drafted: dict[int, list[int]] = {id(c): [] for c in work}
         dists: dict[int, list[torch.Tensor]] = {id(c): [] for c in work}
