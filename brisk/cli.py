@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "brisk kv-plan --trace and brisk bench --workload replay read it")
     logs.add_argument("--otlp-endpoint", default=None,
                       help="export OpenTelemetry spans per request (OTLP/HTTP), e.g. http://127.0.0.1:4318")
+    from brisk.cluster.settings import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(srv.add_argument_group("scale-out (Ray Serve)"))
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", allow_abbrev=False,
@@ -235,7 +238,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_arg:
             raise BriskError(f"two models given ({args.model_arg!r} and --model {args.model!r}); give one")
         args.model = args.model_arg
+    from brisk.cluster.settings import from_args as cluster_settings
+
+    cluster = cluster_settings(args)  # scale-out flags (and a reachable --ray-address): before the model
     checked = preflight(args)  # flags, model, window, KV budget and port: before any heavy import
+    if cluster is not None:
+        from brisk.cluster.settings import require_ray
+
+        require_ray()
+        from brisk.cluster.launch import serve_cluster
+
+        return serve_cluster(args, checked, cluster)
     from brisk.server.serve import serve
 
     return serve(args, build_engine, checked)

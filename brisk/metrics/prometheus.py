@@ -81,55 +81,76 @@ class ServerMetrics:
         for gap_ms in metrics.get("itl_ms") or ():
             self.itl.observe(gap_ms / 1e3)
 
-    def render(self, stats: EngineStats | None) -> bytes:
+    def render(self, stats: EngineStats | dict[str, EngineStats] | None) -> bytes:
         self._engine.stats = stats
         return generate_latest(self.registry)
 
 
 class _EngineCollector:
-    """Engine gauges and counters from the latest stats snapshot."""
+    """Engine gauges and counters from the latest stats snapshot: one engine's (no labels), or
+    several replicas' ({replica id: stats}, each series labelled `replica`) behind a Ray Serve ingress."""
 
     def __init__(self):
-        self.stats: EngineStats | None = None
+        self.stats: EngineStats | dict[str, EngineStats] | None = None
 
     def describe(self):
         return []
 
     def collect(self):
-        s = self.stats
-        if s is None:
+        if self.stats is None:
             return
+        if isinstance(self.stats, EngineStats):
+            label_names, rows = [], [([], self.stats)]
+        else:
+            label_names, rows = ["replica"], [([rid], s) for rid, s in sorted(self.stats.items())]
+        if not rows:
+            return
+
+        def family(kind, name: str, doc: str, value_of):
+            f = kind(name, doc, labels=label_names)
+            for labels, s in rows:
+                f.add_metric(labels, value_of(s))
+            return f
+
         gauges = [
-            ("brisk:num_requests_running", "Requests in the running batch.", s.num_running),
-            ("brisk:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).", s.num_waiting),
-            ("brisk:kv_num_blocks", "KV-cache blocks in the pool.", s.kv_blocks_total),
-            ("brisk:kv_blocks_used", "KV blocks held by requests.", s.kv_blocks_used),
-            ("brisk:kv_blocks_cached", "Free KV blocks still holding a reusable prefix.", s.kv_blocks_cached_free),
-            ("brisk:kv_usage_ratio", "Used / total KV blocks.", s.kv_usage),
+            ("brisk:num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+            ("brisk:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
+             lambda s: s.num_waiting),
+            ("brisk:kv_num_blocks", "KV-cache blocks in the pool.", lambda s: s.kv_blocks_total),
+            ("brisk:kv_blocks_used", "KV blocks held by requests.", lambda s: s.kv_blocks_used),
+            ("brisk:kv_blocks_cached", "Free KV blocks still holding a reusable prefix.",
+             lambda s: s.kv_blocks_cached_free),
+            ("brisk:kv_usage_ratio", "Used / total KV blocks.", lambda s: s.kv_usage),
             ("brisk:kv_fragmentation_ratio", "Unfilled slots in used blocks / slots of used blocks.",
-             s.kv_internal_fragmentation),
+             lambda s: s.kv_internal_fragmentation),
         ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value_of in gauges:
+            yield family(GaugeMetricFamily, name, doc, value_of)
         counters = [
-            ("brisk:num_preemptions", "Requests preempted (KV pool full), recomputed later.", s.num_preemptions),
+            ("brisk:num_preemptions", "Requests preempted (KV pool full), recomputed later.",
+             lambda s: s.num_preemptions),
             ("brisk:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             s.prefix_cache_queries_tokens),
-            ("brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
-            ("brisk:engine_steps", "Engine steps run.", s.num_steps),
+             lambda s: s.prefix_cache_queries_tokens),
+            ("brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             lambda s: s.prefix_cache_hits_tokens),
+            ("brisk:engine_steps", "Engine steps run.", lambda s: s.num_steps),
         ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
-        if s.spec_acceptance_lengths:  # speculative decoding is on
-            yield CounterMetricFamily("brisk:spec_decode_draft_tokens", "Tokens drafted for verification.",
-                                      value=s.spec_draft_tokens)
-            yield CounterMetricFamily("brisk:spec_decode_accepted_tokens", "Drafted tokens the target accepted.",
-                                      value=s.spec_accepted_tokens)
+        for name, doc, value_of in counters:
+            yield family(CounterMetricFamily, name, doc, value_of)
+        rows = [(labels, s) for labels, s in rows if s.spec_acceptance_lengths]  # speculative decoding is on
+        if not rows:
+            return
+        yield family(CounterMetricFamily, "brisk:spec_decode_draft_tokens", "Tokens drafted for verification.",
+                     lambda s: s.spec_draft_tokens)
+        yield family(CounterMetricFamily, "brisk:spec_decode_accepted_tokens", "Drafted tokens the target accepted.",
+                     lambda s: s.spec_accepted_tokens)
+        histogram = HistogramMetricFamily("brisk:spec_decode_acceptance_length",
+                                          "Drafted tokens accepted per verification (0..k).", labels=label_names)
+        for labels, s in rows:
             cumulative, buckets = 0, []
             for length, count in enumerate(s.spec_acceptance_lengths):
                 cumulative += count
                 buckets.append((str(float(length)), cumulative))
             buckets.append(("+Inf", cumulative))
-            yield HistogramMetricFamily("brisk:spec_decode_acceptance_length",
-                                        "Drafted tokens accepted per verification (0..k).", buckets=buckets,
-                                        sum_value=s.spec_accepted_tokens)
+            histogram.add_metric(labels, buckets, s.spec_accepted_tokens)
+        yield histogram

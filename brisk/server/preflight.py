@@ -26,7 +26,7 @@ class Preflight:
     config: dict[str, Any]  # the model's HF-style config
     window: int  # the model's context window (max_position_embeddings)
     max_model_len: int  # what the server will use
-    sock: socket.socket  # bound and listening
+    sock: socket.socket | None  # bound and listening (None: checked without binding, for Ray Serve's proxy)
     chat_template: str | None = None  # --chat-template's text, compiled once here to check it
 
 
@@ -133,7 +133,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def preflight(args: argparse.Namespace) -> Preflight:
+def preflight(args: argparse.Namespace, bind_port: bool = True) -> Preflight:
     from brisk.models.registry import resolve
 
     from brisk.config import ModelConfig
@@ -147,4 +147,5 @@ def preflight(args: argparse.Namespace) -> Preflight:
 
     speculative_config(args)
     template = chat_template(args.chat_template)
-    return Preflight(source, config, window, max_model_len, bind(args.host, args.port), template)
+    sock = bind(args.host, args.port) if bind_port else None
+    return Preflight(source, config, window, max_model_len, sock, template)

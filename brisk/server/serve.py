@@ -83,6 +83,23 @@ def warn_about_key_flag(args: argparse.Namespace) -> None:
         log.warning("--api-key is visible to every user of this machine (`ps`); set BRISK_API_KEY instead")
 
 
+def load_async_engine(args: argparse.Namespace, max_model_len: int, chat_template: str | None, build_engine,
+                      report: LoadReport):
+    """Load the model and start its engine thread (single-process serve, and each Ray Serve replica)."""
+    with report.phase("imports"):
+        from brisk.engine.async_engine import AsyncLLMEngine
+        from brisk.loading.loader import load
+    loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
+                  quantization=args.quantization, report=report)
+    if chat_template is not None:
+        loaded.tokenizer.set_chat_template(chat_template)
+    with report.phase("engine"):
+        engine = AsyncLLMEngine(build_engine(args, loaded))
+    for line in report.lines():
+        log.info("%s", line)
+    return engine
+
+
 def serve(args: argparse.Namespace, build_engine, checked) -> int:
     """Serve with the socket and model that `preflight` checked (`checked`)."""
     from brisk.models.registry import CATALOG
@@ -94,17 +111,7 @@ def serve(args: argparse.Namespace, build_engine, checked) -> int:
     warn_about_key_flag(args)
 
     def factory(report: LoadReport):
-        with report.phase("imports"):
-            from brisk.engine.async_engine import AsyncLLMEngine
-            from brisk.loading.loader import load
-        loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=checked.max_model_len,
-                      quantization=args.quantization, report=report)
-        if checked.chat_template is not None:
-            loaded.tokenizer.set_chat_template(checked.chat_template)
-        with report.phase("engine"):
-            engine = AsyncLLMEngine(build_engine(args, loaded))
-        for line in report.lines():
-            log.info("%s", line)
+        engine = load_async_engine(args, checked.max_model_len, checked.chat_template, build_engine, report)
         log.info("ready: http://%s:%d/v1 serves %s", args.host, args.port, config.served_model_name)
         return engine
 

@@ -1,0 +1,100 @@
+"""Prefix affinity: which replica last served which prompt prefix, and where the next request goes.
+
+Ray-free and torch-free, so the policy is tested without a cluster. The keys are the engine's own
+prefix-cache keys (`brisk.engine.kv_cache.hashing`: chained hashes of full KV blocks), computed by
+the ingress from the templated prompt, so "same key" means "that replica's prefix cache may hold
+these blocks". The router learns only from its own decisions: after it sends a request to a
+replica it records the request's block hashes against that replica (`record`). It never asks the
+replicas what they still hold, so an entry can outlive the replica's eviction of those blocks;
+that costs one missed hit, never a wrong answer (the engine looks its cache up again).
+
+State is bounded: at most `max_entries` hashes (LRU; a hit refreshes every block of the prefix),
+each mapped to one replica id. With the default 65,536 entries and 16-token blocks that is
+about a million prompt tokens of history, ~10 MB.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+DEFAULT_MAX_ENTRIES = 65_536
+DEFAULT_MAX_IMBALANCE = 4  # ongoing requests the affine replica may have beyond the least-loaded one
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: str
+    reason: str  # "prefix" (affinity hit) or "load" (power of two choices on queue length)
+    matched_blocks: int = 0
+
+
+class PrefixAffinity:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+                 rng: random.Random | None = None):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_imbalance < 0:
+            raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
+        self.max_entries = max_entries
+        self.max_imbalance = max_imbalance
+        self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> replica id, LRU order
+        self.owned: dict[str, int] = {}  # replica id -> blocks recorded against it
+        self._rng = rng or random.Random()
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def lookup(self, hashes: Sequence[bytes], replicas: Sequence[str]) -> tuple[str | None, int]:
+        """(the replica holding the longest recorded prefix of `hashes` among `replicas`, its length in
+        blocks). Hashes are chained, so the deepest hash that has an owner identifies the prefix."""
+        live = set(replicas)
+        for depth in range(len(hashes), 0, -1):
+            owner = self._owner.get(hashes[depth - 1])
+            if owner is not None and owner in live:
+                return owner, depth
+        return None, 0
+
+    def choose(self, hashes: Sequence[bytes], queue_lens: dict[str, int]) -> Decision:
+        """`queue_lens`: ongoing requests per candidate replica. The affine replica wins unless it has
+        more than `max_imbalance` requests beyond the least-loaded candidate; otherwise (or with no
+        affine replica) power of two choices: the shorter queue of two random candidates, ties going to
+        the replica with fewer recorded blocks (so new prefixes spread their KV across replicas)."""
+        if not queue_lens:
+            raise ValueError("no replica to choose from")
+        owner, depth = self.lookup(hashes, list(queue_lens))
+        least = min(queue_lens.values())
+        if owner is not None and queue_lens[owner] - least <= self.max_imbalance:
+            return Decision(owner, "prefix", depth)
+        names = sorted(queue_lens)
+        pair = self._rng.sample(names, 2) if len(names) > 1 else names
+        return Decision(min(pair, key=lambda r: (queue_lens[r], self.owned.get(r, 0))), "load")
+
+    def record(self, hashes: Sequence[bytes], replica: str) -> None:
+        """`replica` now holds (or is computing) these blocks."""
+        for h in hashes:
+            previous = self._owner.get(h)
+            if previous != replica:
+                if previous is not None:
+                    self._disown(previous)
+                self.owned[replica] = self.owned.get(replica, 0) + 1
+            self._owner[h] = replica
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.max_entries:
+            _, evicted = self._owner.popitem(last=False)
+            self._disown(evicted)
+
+    def forget(self, replica: str) -> None:
+        """A replica died or was scaled away: its cache is gone."""
+        for h in [h for h, r in self._owner.items() if r == replica]:
+            del self._owner[h]
+        self.owned.pop(replica, None)
+
+    def _disown(self, replica: str) -> None:
+        left = self.owned.get(replica, 0) - 1
+        if left > 0:
+            self.owned[replica] = left
+        else:
+            self.owned.pop(replica, None)

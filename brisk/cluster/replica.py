@@ -1,0 +1,133 @@
+"""One engine replica of a Ray Serve deployment: the model and its engine, loaded in the constructor.
+
+Ray Serve marks a replica RUNNING, and routes to it, only once its constructor returned: a replica
+takes no traffic while it loads (the cold-start killer), and one that fails to load is retried by
+Serve. `check_health` fails once the engine loop died, so Serve replaces the replica.
+
+The ingress (brisk.cluster.remote) speaks to it with plain picklable values:
+- `info()`: what the HTTP layer needs of the model (tokenizer, limits, load report);
+- `generate(...)`: a stream whose first item is ("accepted",) or ("invalid", message, field) or
+  ("dead", message), then lists of RequestOutputs (every output ready at once, one Ray message),
+  ending with the finished one, or ("dead", message) if the engine loop died meanwhile;
+- `stats()`: (replica id, EngineStats) for the ingress's /metrics.
+Closing the stream (client gone, timeout) cancels the generator here, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from brisk.engine.errors import EngineDeadError
+from brisk.loading.report import LoadReport
+
+log = logging.getLogger("brisk.cluster")
+
+
+class EngineReplica:
+    def __init__(self, serve_args: dict[str, Any], max_model_len: int, chat_template: str | None):
+        from brisk.cli import build_engine
+        from brisk.server.serve import load_async_engine
+
+        args = argparse.Namespace(**serve_args)
+        self.report = LoadReport()
+        self.engine = load_async_engine(args, max_model_len, chat_template, build_engine, self.report)
+        self.block_size = args.block_size
+        self._grammars = None
+        try:
+            from ray import serve
+
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve (tests constructing it directly)
+            self.replica_id = f"pid{os.getpid()}"
+        log.info("replica %s ready", self.replica_id)
+
+    def info(self) -> dict[str, Any]:
+        engine = self.engine
+        tok = engine.tokenizer
+        loaded = engine.loaded
+        return {
+            "replica": self.replica_id,
+            "vocab_size": engine.vocab_size,
+            "max_model_len": engine.max_model_len,
+            "max_num_seqs": engine.max_num_seqs,
+            "block_size": self.block_size,
+            "dtype": str(loaded.dtype).split(".")[-1],
+            "device": str(loaded.device),
+            "tokenizer_json": tok.fast.to_str(),
+            "tokenizer_config": {k: v for k, v in tok.config.items() if k != "chat_template"},
+            "chat_template": tok.chat_template_source,
+            "eos_token_ids": list(tok.eos_token_ids),
+            "load_phases_ms": dict(loaded.report.phases_ms),
+            "load_total_ms": loaded.report.total_ms,
+        }
+
+    async def generate(self, prompt_ids: list[int], params, request_id: str, priority: int = 0,
+                       cache_salt: str | None = None, prefix_hashes: list[bytes] | None = None):
+        """`prefix_hashes` is the router's (brisk.cluster.router); the engine hashes blocks itself."""
+        try:
+            params = await self._compile_grammar(params)
+        except ValueError as e:
+            yield ("invalid", str(e), getattr(e, "field", None))
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            stream = await self.engine.add(prompt_ids, params, request_id=request_id, priority=priority,
+                                           cache_salt=cache_salt, sink=(queue, None))
+        except EngineDeadError as e:
+            yield ("dead", str(e))
+            return
+        except ValueError as e:
+            yield ("invalid", str(e), getattr(e, "field", None))
+            return
+        yield ("accepted",)
+        try:
+            while True:
+                batch = [(await queue.get())[1]]
+                while not queue.empty():
+                    batch.append(queue.get_nowait()[1])
+                failure = next((item for item in batch if isinstance(item, BaseException)), None)
+                outputs = [item for item in batch if not isinstance(item, BaseException)]
+                if outputs:
+                    yield outputs
+                if failure is not None:
+                    stream.mark_done()
+                    yield ("dead", str(failure))
+                    return
+                if outputs[-1].finished:
+                    stream.mark_done()
+                    return
+        finally:  # finished: nothing to abort; cancelled (the ingress closed the stream): abort
+            stream.close()
+
+    async def _compile_grammar(self, params):
+        """The ingress sends a grammar as its spec (a compiled matcher does not cross processes);
+        compiled here once per distinct spec (cached), in a worker thread."""
+        from brisk.structured.spec import GrammarSpec
+
+        if not isinstance(getattr(params, "grammar", None), GrammarSpec):
+            return params
+        if self._grammars is None:
+            from brisk.structured.compiler import GrammarCompiler
+
+            tok = self.engine.tokenizer
+            self._grammars = GrammarCompiler(tok.fast, self.engine.vocab_size, tok.eos_token_ids)
+        compiled = await asyncio.to_thread(self._grammars.compile, params.grammar)
+        return dataclasses.replace(params, grammar=compiled)
+
+    async def stats(self, brisk_replica: str | None = None):
+        """`brisk_replica` pins the call to this replica (brisk.cluster.router)."""
+        return self.replica_id, await self.engine.stats()
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive:
+            raise RuntimeError(f"replica {self.replica_id}: the engine loop stopped")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

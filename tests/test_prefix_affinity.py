@@ -1,0 +1,89 @@
+"""The prefix-affinity policy of the Ray Serve router (brisk.cluster.affinity), without a cluster."""
+
+import random
+
+import pytest
+
+from brisk.cluster.affinity import PrefixAffinity
+from brisk.engine.kv_cache.hashing import hash_full_blocks
+
+BLOCK = 16
+
+
+def hashes(tokens):
+    return hash_full_blocks(tokens, BLOCK)
+
+
+SYSTEM = list(range(1000, 1000 + 8 * BLOCK))  # an 8-block shared prefix
+
+
+def test_shared_prefix_sticks_to_the_replica_that_served_it():
+    policy = PrefixAffinity(rng=random.Random(0))
+    first = policy.choose(hashes(SYSTEM + [1, 2, 3]), {"a": 0, "b": 0})
+    assert first.reason == "load"
+    policy.record(hashes(SYSTEM + [1, 2, 3]), first.replica)
+    for question in range(20):
+        ids = SYSTEM + [7, question] * 9  # the same system prompt, another question (one more full block)
+        decision = policy.choose(hashes(ids), {"a": 0, "b": 0})
+        assert decision == decision.__class__(first.replica, "prefix", 8)
+        policy.record(hashes(ids), decision.replica)
+
+
+def test_longest_recorded_prefix_wins():
+    policy = PrefixAffinity()
+    short, long_ = SYSTEM[:2 * BLOCK], SYSTEM
+    policy.record(hashes(short), "a")
+    policy.record(hashes(long_), "b")  # b also took over the two shared leading blocks
+    policy.record(hashes(short + [5] * BLOCK), "a")  # a holds a different continuation of 2 blocks
+    assert policy.lookup(hashes(long_ + [9] * BLOCK), ["a", "b"]) == ("b", 8)
+    assert policy.lookup(hashes(short + [5] * BLOCK), ["a", "b"]) == ("a", 3)
+    # b is not a candidate (dead, scaled away): a's 2 leading blocks (re-recorded by its last request) remain
+    assert policy.lookup(hashes(long_), ["a"]) == ("a", 2)
+    assert policy.lookup(hashes([9] * BLOCK + long_), ["a", "b"]) == (None, 0)
+
+
+def test_overloaded_affine_replica_yields_to_load():
+    policy = PrefixAffinity(max_imbalance=2)
+    policy.record(hashes(SYSTEM), "a")
+    assert policy.choose(hashes(SYSTEM), {"a": 2, "b": 0}).reason == "prefix"  # 2 more: within the threshold
+    decision = policy.choose(hashes(SYSTEM), {"a": 3, "b": 0})
+    assert (decision.replica, decision.reason) == ("b", "load")
+
+
+def test_new_prefixes_spread_over_equally_loaded_replicas():
+    policy = PrefixAffinity(rng=random.Random(1))
+    placed = []
+    for i in range(10):
+        ids = [50_000 + i] + SYSTEM
+        decision = policy.choose(hashes(ids), {"a": 0, "b": 0})
+        assert decision.reason == "load"
+        policy.record(hashes(ids), decision.replica)
+        placed.append(decision.replica)
+    assert placed.count("a") == placed.count("b") == 5  # ties go to the replica holding fewer blocks
+    assert policy.owned == {"a": 40, "b": 40}
+
+
+def test_load_choice_prefers_the_shorter_queue():
+    policy = PrefixAffinity(rng=random.Random(2))
+    for _ in range(20):
+        assert policy.choose(hashes(SYSTEM), {"a": 5, "b": 1}).replica == "b"
+
+
+def test_state_is_bounded_and_forgets_dead_replicas():
+    policy = PrefixAffinity(max_entries=10)
+    policy.record(hashes(SYSTEM), "a")
+    policy.record(hashes([3] * 4 * BLOCK), "b")
+    assert len(policy) == 10 and sum(policy.owned.values()) == 10  # 12 recorded, the 2 oldest evicted
+    assert policy.lookup(hashes(SYSTEM[:BLOCK]), ["a", "b"]) == (None, 0)  # its first block went first
+    policy.forget("b")
+    assert len(policy) == 6 and policy.owned == {"a": 6}
+    assert policy.lookup(hashes([3] * 4 * BLOCK), ["a", "b"]) == (None, 0)
+
+
+def test_bad_settings_and_no_replicas():
+    with pytest.raises(ValueError, match="max_entries"):
+        PrefixAffinity(max_entries=0)
+    with pytest.raises(ValueError, match="max_imbalance"):
+        PrefixAffinity(max_imbalance=-1)
+    with pytest.raises(ValueError, match="no replica"):
+        PrefixAffinity().choose(hashes(SYSTEM), {})
