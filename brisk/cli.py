@@ -241,11 +241,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from brisk.cluster.settings import from_args as cluster_settings
 
     cluster = cluster_settings(args)  # scale-out flags (and a reachable --ray-address): before the model
-    checked = preflight(args)  # flags, model, window, KV budget and port: before any heavy import
     if cluster is not None:
         from brisk.cluster.settings import require_ray
 
         require_ray()
+    checked = preflight(args)  # flags, model, window, KV budget and port: before any heavy import
+    if cluster is not None:
         from brisk.cluster.launch import serve_cluster
 
         return serve_cluster(args, checked, cluster)

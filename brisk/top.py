@@ -25,7 +25,14 @@ class Scrape:
     samples: dict[tuple[str, tuple], float]
 
     def get(self, name: str, **labels) -> float:
-        return self.samples.get((name, tuple(sorted(labels.items()))), 0.0)
+        """The sum over every series of `name` carrying `labels` (behind a Ray Serve ingress each
+        engine series carries a `replica` label: the sum is the whole deployment's)."""
+        want = labels.items()
+        return sum(v for (n, lbl), v in self.samples.items() if n == name and want <= dict(lbl).items())
+
+    def max(self, name: str) -> float:
+        """The largest value of a ratio over its series (the fullest replica's KV usage)."""
+        return max((v for (n, _), v in self.samples.items() if n == name), default=0.0)
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         return {dict(k[1])[label]: v for k, v in self.samples.items() if k[0] == name and label in dict(k[1])}
@@ -113,10 +120,10 @@ def summarize(prev: Scrape, cur: Scrape) -> dict[str, Any]:
         "queue_s": quantiles("brisk:request_queue_time_seconds"),
         "running": cur.get("brisk:num_requests_running"),
         "waiting": cur.get("brisk:num_requests_waiting"),
-        "kv_usage": cur.get("brisk:kv_usage_ratio"),
+        "kv_usage": cur.max("brisk:kv_usage_ratio"),
         "kv_blocks_used": cur.get("brisk:kv_blocks_used"),
         "kv_num_blocks": cur.get("brisk:kv_num_blocks"),
-        "kv_fragmentation": cur.get("brisk:kv_fragmentation_ratio"),
+        "kv_fragmentation": cur.max("brisk:kv_fragmentation_ratio"),
         "prefix_hit_rate": hits / queries if queries > 0 else None,
         "preemptions_per_s": rate("brisk:num_preemptions_total"),
         "context_guard": {k: v for k, v in guard.items() if v},

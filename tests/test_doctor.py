@@ -172,3 +172,18 @@ def test_doctor_errors_are_one_line(tmp_path):
     finally:
         fake.kill()
     assert proc.returncode == 2 and "not an OpenAI-compatible API" in proc.stderr
+
+
+def test_metrics_scrape_adds_counts_across_replicas_and_keeps_the_fullest_kv_usage():
+    """Behind a Ray Serve ingress every engine series carries a `replica` label: a summed KV usage
+    of 0.6 + 0.7 would report an impossible 130%."""
+    from types import SimpleNamespace
+
+    from brisk.doctor.checks import scrape
+
+    body = ('brisk:kv_usage_ratio{replica="a"} 0.6\nbrisk:kv_usage_ratio{replica="b"} 0.7\n'
+            'brisk:num_requests_waiting{replica="a"} 2\nbrisk:num_requests_waiting{replica="b"} 3\n')
+    prober = SimpleNamespace(get=lambda path: SimpleNamespace(ok=True, body=body))
+    metrics = scrape(prober)
+    assert metrics["brisk:kv_usage_ratio"] == 0.7
+    assert metrics["brisk:num_requests_waiting"] == 5

@@ -1,6 +1,7 @@
 """The prefix-affinity policy of the Ray Serve router (brisk.cluster.affinity), without a cluster."""
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,35 @@ def test_bad_settings_and_no_replicas():
         PrefixAffinity(max_imbalance=-1)
     with pytest.raises(ValueError, match="no replica"):
         PrefixAffinity().choose(hashes(SYSTEM), {})
+
+
+def test_the_ray_serve_config_file_builds_brisks_application():
+    """deploy/ray/serve.yaml's application, built as `serve run` builds it (no cluster needed)."""
+    pytest.importorskip("ray.serve")
+    import yaml
+
+    from brisk.cluster.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, app_builder
+    from brisk.models.registry import resolve
+
+    config = yaml.safe_load((Path(__file__).resolve().parent.parent / "deploy/ray/serve.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "brisk.cluster.app:app_builder"
+    flags = application["args"]["flags"].split()
+    flags[0] = str(resolve("smollm2-135m-instruct").path)  # the demo model in place of /models/...
+    app = app_builder({"flags": " ".join(flags)})
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    assert (ingress.name, engine.name) == (INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT)
+    scaling = engine._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 8, 16)
+    assert engine.ray_actor_options["num_cpus"] == 4
+    assert engine._deployment_config.request_router_config.request_router_class == \
+        "brisk.cluster.router.PrefixAffinityRouter"
+    # the replicas get the flags as values: the model, the scheduler's limits
+    serve_args, max_model_len, _ = engine.init_args
+    assert serve_args["max_num_seqs"] == 64 and max_model_len == 8192
+    # a wrong flag in the file is the CLI's one-line error
+    from brisk.errors import BriskError
+
+    with pytest.raises(BriskError, match="--min-replicas 3 is greater than --max-replicas 2"):
+        app_builder({"flags": f"{flags[0]} --min-replicas 3 --max-replicas 2"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -188,6 +189,19 @@ def test_an_overloaded_affine_replica_yields_to_the_other(cluster):
     after = _replica_samples(url)
     assert all(after[r] > before.get(r, 0) for r in after), "one replica took every request of the burst"
     assert _decisions(url)["load"] > decisions_before.get("load", 0)
+
+
+def test_brisk_top_reads_the_ingress(cluster):
+    url, _ = cluster
+    out = subprocess.run([sys.executable, "-m", "brisk", "top", url, "--once", "--interval", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for needle in ("brisk top", "throughput", "KV cache", "prefix"):
+        assert needle in out.stdout, out.stdout
+    total = re.search(r"\d+/(\d+) blocks", out.stdout)
+    assert total is not None, out.stdout
+    per_replica = _replica_samples(url, "brisk:kv_num_blocks")
+    assert len(per_replica) == 2 and int(total.group(1)) == sum(per_replica.values())  # the replicas' pools add up
 
 
 def _stream(url: str, max_tokens: int, outcome: dict, started: threading.Event) -> None:

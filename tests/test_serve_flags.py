@@ -55,6 +55,45 @@ def test_mistakes_fail_fast_in_one_line(argv, needle):
     assert elapsed <= 2.0, elapsed
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is greater than --max-replicas 2"),
+    (["--replicas", "5", "--min-replicas", "1", "--max-replicas", "2"], "--replicas 5 must lie between"),
+    (["--replicas", "64"], "need 64 CPUs; this machine has"),
+    (["--replicas", "2", "--ray-address", "127.0.0.1:9"], "--ray-address 127.0.0.1:9: cannot connect"),
+    (["--replicas", "2", "--ray-address", "nonsense"], "expected auto, host:port or ray://host:port"),
+    (["--ray-address", "auto"], "--ray-address applies to Ray Serve only; add --replicas N"),
+    (["--replicas", "2", "--target-ongoing-requests", "0"], "--target-ongoing-requests must be > 0"),
+], ids=["zero-replicas", "min-over-max", "outside-range", "too-many-cpus", "unreachable", "bad-address",
+        "address-without-replicas", "target"])
+def test_scale_out_mistakes_fail_fast_without_starting_ray(argv, needle):
+    line, _, imported = serve_fails(*argv)
+    assert needle in line, line
+    assert " ray" not in imported and " torch" not in imported
+
+
+def test_scale_out_without_ray_installed_names_the_extra():
+    code = ("import sys; sys.modules['ray'] = None; from brisk.cli import main; "
+            "sys.exit(main(['serve', '--replicas', '1']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "pip install 'brisk-llm[ray]'" in proc.stderr
+
+
+def test_single_process_serve_does_not_import_ray():
+    # --help parses every flag (the scale-out group included) and exits; nothing may pull Ray in
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "brisk", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--replicas" in proc.stdout
+    assert " ray" not in proc.stderr
+    # and the modules that serve one process with
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import brisk.cli, brisk.cluster.settings, "
+                           "brisk.server.serve, brisk.server.app, brisk.engine.async_engine"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " ray" not in proc.stderr
+
+
 def test_not_a_gguf_file_fails_fast(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"this is not a model")

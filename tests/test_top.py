@@ -41,6 +41,23 @@ def test_summarize_uses_deltas_between_scrapes():
     assert view["prefix_hit_rate"] == 0.25
 
 
+def test_summarize_adds_replicas_up_and_takes_the_fullest_replicas_kv_usage():
+    """Behind a Ray Serve ingress each engine series carries a `replica` label."""
+    def replicas(ts, queries, hits, running):
+        rows = {}
+        for rid, q, h, r, usage in (("a", queries[0], hits[0], running[0], 0.2), ("b", queries[1], hits[1],
+                                                                                  running[1], 0.7)):
+            lbl = (("replica", rid),)
+            rows.update({("brisk:prefix_cache_queries_total", lbl): q, ("brisk:prefix_cache_hits_total", lbl): h,
+                         ("brisk:num_requests_running", lbl): r, ("brisk:kv_usage_ratio", lbl): usage})
+        return Scrape(ts, rows)
+
+    view = summarize(replicas(0.0, (100, 0), (0, 0), (0, 0)), replicas(1.0, (300, 200), (150, 50), (3, 4)))
+    assert view["running"] == 7
+    assert view["prefix_hit_rate"] == pytest.approx(200 / 400)
+    assert view["kv_usage"] == 0.7
+
+
 def test_top_once_against_a_live_server(demo):
     with serve_engine(make_engine(demo)) as live:
         def load():

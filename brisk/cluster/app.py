@@ -12,7 +12,7 @@ import argparse
 import shlex
 from typing import Any
 
-from brisk.cluster.settings import ClusterSettings, require_ray
+from brisk.cluster.settings import ROUTERS, ClusterSettings, require_ray
 
 APP_NAME = "brisk"
 ENGINE_DEPLOYMENT = "BriskEngine"
@@ -32,7 +32,6 @@ def build_application(args: argparse.Namespace, checked, settings: ClusterSettin
 
     from brisk.cluster.ingress import Ingress
     from brisk.cluster.replica import EngineReplica
-    from brisk.cluster.router import PrefixAffinityRouter
     from brisk.models.registry import CATALOG
 
     per_replica = args.max_num_seqs + args.max_queued_requests
@@ -48,7 +47,7 @@ def build_application(args: argparse.Namespace, checked, settings: ClusterSettin
         ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_gpus},
         max_ongoing_requests=per_replica,
         request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
+            request_router_class=ROUTERS[settings.request_router],
             request_router_kwargs={"max_imbalance": settings.router_max_imbalance}),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=args.shutdown_timeout,

@@ -13,6 +13,10 @@ Requests carry what it needs as keyword arguments of the handle call:
 
 Calls without either (model info, health) take power of two choices.
 
+`PowerOfTwoRouter` is Ray Serve's default router (power of two choices, no affinity) plus the same
+pinning, so /metrics works with it too: `--request-router pow2`, the baseline of
+benchmarks/scale_out.py.
+
 Ray Serve ships this module to the handle's process by value: keep no state at module level here
 (brisk.cluster.registry holds the process's routers).
 """
@@ -23,10 +27,34 @@ import random
 from collections import Counter
 from typing import List, Optional
 
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from brisk.cluster import registry
 from brisk.cluster.affinity import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_IMBALANCE, PrefixAffinity
+
+
+def _pinned(candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest]):
+    """The candidates a `brisk_replica`-pinned call may go to, or None for an unpinned call."""
+    target = pending_request.kwargs.get("brisk_replica") if pending_request is not None else None
+    if target is None:
+        return None
+    return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+
+
+class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    def initialize_state(self, **_ignored):
+        self.decisions: Counter = Counter({"prefix": 0, "load": 0})
+        registry.register(self)
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        if pending_request is not None and "prefix_hashes" in pending_request.kwargs:
+            self.decisions["load"] += 1
+        return await super().choose_replicas(candidate_replicas, pending_request)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -40,11 +68,10 @@ class PrefixAffinityRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        kwargs = pending_request.kwargs if pending_request is not None else {}
-        target = kwargs.get("brisk_replica")
-        if target is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
-        hashes = kwargs.get("prefix_hashes")
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        hashes = pending_request.kwargs.get("prefix_hashes") if pending_request is not None else None
         if hashes is None:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

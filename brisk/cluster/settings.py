@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from brisk.cluster.affinity import DEFAULT_MAX_IMBALANCE
 from brisk.errors import BriskError
 
+ROUTERS = {"prefix-affinity": "brisk.cluster.router.PrefixAffinityRouter",
+           "pow2": "brisk.cluster.router.PowerOfTwoRouter"}
 RAY_EXTRA_HINT = "install Ray Serve with: pip install 'brisk-llm[ray]' (the `ray` extra)"
 ADDRESS_TIMEOUT_S = 5.0
 
@@ -33,6 +35,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ray-address", default=None,
                    help="join a running Ray cluster (auto, host:port or ray://host:port); "
                         "default: start a local Ray instance")
+    p.add_argument("--request-router", default="prefix-affinity", choices=list(ROUTERS),
+                   help="prefix-affinity (default: a prompt prefix goes back to the replica that served it) or "
+                        "pow2 (Ray Serve's default: power of two choices on queue length)")
     p.add_argument("--router-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
                    help="prefix affinity yields to load when the affine replica has this many more ongoing "
                         f"requests than the least-loaded one (default {DEFAULT_MAX_IMBALANCE})")
@@ -49,6 +54,7 @@ class ClusterSettings:
     replica_gpus: float
     ray_address: str | None
     router_max_imbalance: int
+    request_router: str = "prefix-affinity"
 
     @property
     def cpus_needed(self) -> float:
@@ -98,7 +104,7 @@ def from_args(args: argparse.Namespace, local_cpu_check: bool = True) -> Cluster
     if args.router_max_imbalance < 0:
         raise BriskError(f"--router-max-imbalance must be >= 0, got {args.router_max_imbalance}")
     settings = ClusterSettings(replicas, low, high, autoscale, args.target_ongoing_requests, args.replica_cpus,
-                               gpus, args.ray_address, args.router_max_imbalance)
+                               gpus, args.ray_address, args.router_max_imbalance, args.request_router)
     if settings.ray_address is None and local_cpu_check:
         cores = os.cpu_count() or 1
         if settings.cpus_needed > cores:

@@ -502,6 +502,9 @@ _ENGINE_METRICS = {  # engine -> (kv usage gauge, waiting gauge, preemptions cou
 }
 
 
+_RATIO_SUFFIXES = ("_ratio", "_perc", "token_usage")  # gauges in [0, 1]: never summed
+
+
 def scrape(p: Prober) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -512,7 +515,10 @@ def scrape(p: Prober) -> dict[str, float]:
     try:
         for family in text_string_to_metric_families(t.body):
             for s in family.samples:
-                out[s.name] = out.get(s.name, 0.0) + s.value
+                if s.name.endswith(_RATIO_SUFFIXES):  # per replica (or per model): the fullest one
+                    out[s.name] = max(out.get(s.name, s.value), s.value)
+                else:  # counts add up across replicas
+                    out[s.name] = out.get(s.name, 0.0) + s.value
     except ValueError:
         return {}
     if "vllm:gpu_cache_usage_perc" in out and "vllm:kv_cache_usage_perc" not in out:
