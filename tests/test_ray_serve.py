@@ -50,7 +50,7 @@ def cluster(brisk_cache):
     proc = subprocess.Popen(
         [sys.executable, "-m", "brisk", "serve", MODEL, "--replicas", "2", "--replica-cpus", "1",
          "--port", str(port), "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--router-max-imbalance", "2",
-         "--shutdown-timeout", "5"],
+         "--shutdown-timeout", "30"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -68,7 +68,20 @@ def cluster(brisk_cache):
             raise AssertionError(f"no 2 ready replicas in {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
         time.sleep(1)
     yield url, proc
-    proc.send_signal(signal.SIGTERM)  # graceful: Serve shuts down, Ray stops
+    # graceful shutdown drains like single-process serve: a running stream finishes, new requests get 503
+    outcome, started = {}, threading.Event()
+    stream = threading.Thread(target=_stream, args=(url, 60, outcome, started))
+    stream.start()
+    assert started.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/ready", timeout=5).json().get("status") != "draining":
+        assert time.monotonic() < deadline, "the ingress never started draining"
+        time.sleep(0.1)
+    refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    stream.join(timeout=60)
+    assert outcome.get("end") == "done", outcome
     try:
         proc.wait(timeout=90)
     except subprocess.TimeoutExpired:

@@ -54,6 +54,17 @@ class Ingress:
         self.state = ServerState(config, factory, tracer=tracer)
         self.state.metrics.registry.register(RouterCollector())
 
+    async def drain(self) -> int:
+        """Stop admitting (new requests get 503, /ready says draining); running requests get
+        --shutdown-timeout to finish, then an error event. Returns the requests still in flight."""
+        import asyncio
+
+        self.state.begin_drain(self.state.loop or asyncio.get_running_loop())
+        return self.state.num_active
+
+    async def in_flight(self) -> int:
+        return self.state.num_active
+
     def __serve_build_asgi_app__(self):
         from brisk.server.app import create_app
 

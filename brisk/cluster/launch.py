@@ -68,12 +68,30 @@ def serve_cluster(args: argparse.Namespace, checked, settings: ClusterSettings) 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if ray.is_initialized():
-            log.info("shutting down: ongoing requests get up to %.0f s", args.shutdown_timeout)
             try:
+                if deployed.is_set():
+                    _drain(serve, args.shutdown_timeout)
                 serve.shutdown()
             finally:
                 ray.shutdown()
     return 0
+
+
+def _drain(serve, timeout_s: float) -> None:
+    """Like single-process serve: no new requests, running ones finish (or end with an error event
+    after --shutdown-timeout), then Serve stops the replicas."""
+    from brisk.cluster.app import APP_NAME, INGRESS_DEPLOYMENT
+
+    try:
+        ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME)
+        active = ingress.drain.remote().result(timeout_s=10)
+        log.info("draining: %d requests in flight, up to %.0f s", active, timeout_s)
+        deadline = time.monotonic() + timeout_s + 2  # the ingress ends stragglers at timeout_s
+        while active and time.monotonic() < deadline:
+            time.sleep(0.25)
+            active = ingress.in_flight.remote().result(timeout_s=10)
+    except Exception as e:  # noqa: BLE001 - a dead ingress has nothing to drain; shut down anyway
+        log.warning("drain skipped: %r", e)
 
 
 def _check_resources(ray, settings: ClusterSettings) -> None:

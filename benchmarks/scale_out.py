@@ -1,0 +1,157 @@
+"""Scale-out on Ray Serve (issue: "replicas with prefix-affinity routing"), every figure from one run.
+
+1. Shared prefixes on 2 replicas (1 CPU each): 8 system prompts of ~1,000 tokens, many users each
+   (a seeded random interleaving of short questions under them), streamed with greedy 16-token
+   replies at fixed concurrency. The same requests go to a fresh cluster routed by brisk's
+   prefix-affinity router and to one routed by Ray Serve's default (power of two choices):
+   prefix-cache hit rate (prompt tokens reused / looked up, summed over the replicas' /metrics)
+   and TTFT p50/p99. Each replica's KV pool holds about 5 of the 8 prompts (--kv-cache-memory), as
+   a pool smaller than the whole prompt set is what routing has to work around.
+2. Overhead of the Ray path: single-process `brisk serve` vs `brisk serve --replicas 1
+   --replica-cpus 2` (same cores, same engine) at 1 and 16 streams, short chat prompts, 64-token
+   replies (ignore_eos): output tok/s, and TTFT p50.
+
+Prints the machine's read bandwidth beside the figures (these machines vary 2x from day to day).
+
+    .venv/bin/python benchmarks/scale_out.py [--parts 1,2] [--requests 64] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / "peers")]
+
+from decode_speed import read_bandwidth_gbs  # noqa: E402
+from long_context import WORDS, text  # noqa: E402
+from quantized_peers import stop  # noqa: E402
+from run_peers import free_port, wait_ready  # noqa: E402
+
+from brisk.bench.client import BenchRequest, run_concurrency  # noqa: E402
+from brisk.bench.metrics import summarize  # noqa: E402
+
+MODEL_ID = "smollm2-135m-instruct"
+
+
+def metric_sum(url: str, name: str, label: str | None = None) -> dict[str, float] | float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(f"{url}/metrics", timeout=30).text
+    samples = [s for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
+    if label is None:
+        return sum(s.value for s in samples)
+    return {s.labels.get(label, ""): s.value for s in samples}
+
+
+def start(cmd: list[str], log: Path, replicas: int | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc, model=MODEL_ID)
+    deadline = time.monotonic() + 300
+    while replicas and metric_sum(url, "brisk:replicas") < replicas:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{replicas} replicas never came up (see {log})")
+        time.sleep(1)
+    return proc, url
+
+
+def shared_prefix_requests(n: int, seed: int = 0) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    systems = [f"You are assistant number {k} of the archive. Rules and reference material:\n"
+               + text(900, rng) for k in range(8)]
+    out = []
+    for i in range(n):
+        system = rng.choice(systems)
+        question = f"Question {i}: what does the material say about {rng.choice(WORDS)} and {rng.choice(WORDS)}?"
+        out.append(BenchRequest(messages=[{"role": "system", "content": system},
+                                          {"role": "user", "content": question}],
+                                max_tokens=16, extra={"temperature": 0}))
+    return out
+
+
+def part_shared_prefix(args, work: Path) -> list[str]:
+    rows = ["| router | requests | streams | prefix-cache hit rate | TTFT p50 | TTFT p99 | routed by prefix / load |",
+            "|---|---|---|---|---|---|---|"]
+    requests = shared_prefix_requests(args.requests)
+    for router in ("prefix-affinity", "pow2"):
+        cmd = [sys.executable, "-m", "brisk", "serve", MODEL_ID, "--replicas", "2", "--replica-cpus", "1",
+               "--max-model-len", "2048", "--kv-cache-memory", args.kv_cache_memory, "--request-router", router]
+        proc, url = start(cmd, work / f"shared-{router}.log", replicas=2)
+        try:
+            q0, h0 = metric_sum(url, "brisk:prefix_cache_queries_total"), metric_sum(url, "brisk:prefix_cache_hits_total")
+            records = asyncio.run(run_concurrency(url, MODEL_ID, requests, args.concurrency, timeout_s=3600))
+            s = summarize(records)
+            q1, h1 = metric_sum(url, "brisk:prefix_cache_queries_total"), metric_sum(url, "brisk:prefix_cache_hits_total")
+            decisions = metric_sum(url, "brisk:router_decisions_total", "reason")
+        finally:
+            stop(proc)
+        rows.append(f"| {router} | {s.completed}/{len(requests)} | {args.concurrency} | {(h1 - h0) / max(q1 - q0, 1):.1%} "
+                    f"| {s.ttft.median:.2f} s | {s.ttft.p99:.2f} s | "
+                    f"{decisions.get('prefix', 0):.0f} / {decisions.get('load', 0):.0f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def part_overhead(args, work: Path) -> list[str]:
+    rows = ["| system | streams | requests | output tok/s | TTFT p50 | ratio to one process |", "|---|---|---|---|---|---|"]
+    base = [sys.executable, "-m", "brisk", "serve", MODEL_ID, "--max-model-len", "2048", "--kv-cache-memory", "1GiB"]
+    systems = {"one process": (base, None), "Ray Serve, 1 replica x 2 CPUs": (
+        [*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2)], 1)}
+    rng = random.Random(1)
+    results: dict[tuple[str, int], float] = {}
+    for name, (cmd, replicas) in systems.items():
+        proc, url = start(cmd, work / f"overhead-{replicas or 0}.log", replicas)
+        try:
+            for streams in (1, 16):
+                n = max(8, 2 * streams)
+                requests = [BenchRequest(messages=[{"role": "user", "content": text(12, rng)}], max_tokens=64,
+                                         extra={"temperature": 0, "ignore_eos": True}) for _ in range(n)]
+                asyncio.run(run_concurrency(url, MODEL_ID, requests[:2], min(2, streams), timeout_s=600))  # warm-up
+                s = summarize(asyncio.run(run_concurrency(url, MODEL_ID, requests, streams, timeout_s=1800)))
+                results[(name, streams)] = s.output_throughput
+                ratio = s.output_throughput / results[("one process", streams)]
+                rows.append(f"| {name} | {streams} | {s.completed} | {s.output_throughput:.1f} | "
+                            f"{s.ttft.median * 1e3:.0f} ms | {ratio:.2f}x |")
+                print(rows[-1], flush=True)
+        finally:
+            stop(proc)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="1,2")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica (default: ~5 of the 8 prompts)")
+    args = parser.parse_args()
+    gbs, _ = read_bandwidth_gbs()
+    print(f"read bandwidth: {gbs:.1f} GB/s, {os.cpu_count()} cores", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        parts = args.parts.split(",")
+        tables = []
+        if "1" in parts:
+            tables.append(part_shared_prefix(args, work))
+        if "2" in parts:
+            tables.append(part_overhead(args, work))
+    for table in tables:
+        print()
+        print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
