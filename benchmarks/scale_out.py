@@ -8,8 +8,8 @@
    and TTFT p50/p99. Each replica's KV pool holds about 5 of the 8 prompts (--kv-cache-memory), as
    a pool smaller than the whole prompt set is what routing has to work around.
 2. Overhead of the Ray path: single-process `brisk serve` vs `brisk serve --replicas 1
-   --replica-cpus 2` (same cores, same engine) at 1 and 16 streams, short chat prompts, 64-token
-   replies (ignore_eos): output tok/s, and TTFT p50.
+   --replica-cpus 2` (same cores, same engine), both up at once and measured in interleaved rounds,
+   at 1 and 16 streams, short chat prompts, 64-token replies (ignore_eos): output tok/s, TTFT p50.
 
 Prints the machine's read bandwidth beside the figures (these machines vary 2x from day to day).
 
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,27 +107,37 @@ def part_shared_prefix(args, work: Path) -> list[str]:
 
 
 def part_overhead(args, work: Path) -> list[str]:
-    rows = ["| system | streams | requests | output tok/s | TTFT p50 | ratio to one process |", "|---|---|---|---|---|---|"]
+    """Both servers up at once (Ray's idle daemons load the machine for both), runs interleaved
+    round by round, so the machine's drift hits both alike; the ratio is the median of the rounds'."""
     base = [sys.executable, "-m", "brisk", "serve", MODEL_ID, "--max-model-len", "2048", "--kv-cache-memory", "1GiB"]
-    systems = {"one process": (base, None), "Ray Serve, 1 replica x 2 CPUs": (
-        [*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2)], 1)}
+    one, ray = "one process", f"Ray Serve, 1 replica x {os.cpu_count()} CPUs"
+    systems = {one: (base, None), ray: ([*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2)], 1)}
     rng = random.Random(1)
-    results: dict[tuple[str, int], float] = {}
-    for name, (cmd, replicas) in systems.items():
-        proc, url = start(cmd, work / f"overhead-{replicas or 0}.log", replicas)
-        try:
-            for streams in (1, 16):
-                n = max(8, 2 * streams)
-                requests = [BenchRequest(messages=[{"role": "user", "content": text(12, rng)}], max_tokens=64,
-                                         extra={"temperature": 0, "ignore_eos": True}) for _ in range(n)]
-                asyncio.run(run_concurrency(url, MODEL_ID, requests[:2], min(2, streams), timeout_s=600))  # warm-up
-                s = summarize(asyncio.run(run_concurrency(url, MODEL_ID, requests, streams, timeout_s=1800)))
-                results[(name, streams)] = s.output_throughput
-                ratio = s.output_throughput / results[("one process", streams)]
-                rows.append(f"| {name} | {streams} | {s.completed} | {s.output_throughput:.1f} | "
-                            f"{s.ttft.median * 1e3:.0f} ms | {ratio:.2f}x |")
+    procs, urls = [], {}
+    try:
+        for name, (cmd, replicas) in systems.items():
+            proc, urls[name] = start(cmd, work / f"overhead-{replicas or 0}.log", replicas)
+            procs.append(proc)
+        rows = ["| streams | round | one process tok/s | Ray Serve tok/s | ratio | TTFT p50 one / Ray |",
+                "|---|---|---|---|---|---|"]
+        for streams in (1, 16):
+            n = max(8, 2 * streams)
+            requests = [BenchRequest(messages=[{"role": "user", "content": text(12, rng)}], max_tokens=64,
+                                     extra={"temperature": 0, "ignore_eos": True}) for _ in range(n)]
+            for url in urls.values():  # warm-up
+                asyncio.run(run_concurrency(url, MODEL_ID, requests[:2], min(2, streams), timeout_s=600))
+            ratios = []
+            for r in range(args.rounds):
+                s = {name: summarize(asyncio.run(run_concurrency(url, MODEL_ID, requests, streams, timeout_s=1800)))
+                     for name, url in urls.items()}
+                ratios.append(s[ray].output_throughput / s[one].output_throughput)
+                rows.append(f"| {streams} | {r + 1} | {s[one].output_throughput:.1f} | {s[ray].output_throughput:.1f} | "
+                            f"{ratios[-1]:.2f}x | {s[one].ttft.median * 1e3:.0f} / {s[ray].ttft.median * 1e3:.0f} ms |")
                 print(rows[-1], flush=True)
-        finally:
+            rows.append(f"| {streams} | median | | | **{statistics.median(ratios):.2f}x** | |")
+            print(rows[-1], flush=True)
+    finally:
+        for proc in procs:
             stop(proc)
     return rows
 
@@ -136,6 +147,7 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of part 2")
     parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica (default: ~5 of the 8 prompts)")
     args = parser.parse_args()
     gbs, _ = read_bandwidth_gbs()

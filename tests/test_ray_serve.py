@@ -74,12 +74,13 @@ def cluster(brisk_cache):
     stream.start()
     assert started.wait(60)
     proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{url}/ready", timeout=5).json().get("status") != "draining":
-        assert time.monotonic() < deadline, "the ingress never started draining"
-        time.sleep(0.1)
-    refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    time.sleep(0.5)
+    try:  # as in one process: the listening socket closes; a request that still gets in is a 503
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                             timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    except httpx.ConnectError:
+        pass
     stream.join(timeout=60)
     assert outcome.get("end") == "done", outcome
     try:

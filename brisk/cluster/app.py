@@ -1,9 +1,11 @@
 """The Ray Serve application: one ingress deployment (the HTTP API) and one engine deployment
 (the replicas), routed by prefix affinity.
 
-`brisk serve --replicas N` builds it from its flags (brisk.cluster.launch); `serve run` /
-`serve deploy` build it from a config file through `app_builder` (deploy/ray/serve.yaml), with the
-same flags as an argument list.
+`serve run` / `serve deploy` build it from a config file through `app_builder`
+(deploy/ray/serve.yaml), with the flags of `brisk serve`. `brisk serve --replicas N`
+(brisk.cluster.launch) deploys only the engine deployment and serves HTTP from its own process
+with the single-process server (uvicorn, the same connection limits and drain): one Ray hop per
+streamed token instead of two (proxy -> ingress -> replica), measured in benchmarks/scale_out.py.
 """
 
 from __future__ import annotations
@@ -25,16 +27,14 @@ def serve_args(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k != "func"}
 
 
-def build_application(args: argparse.Namespace, checked, settings: ClusterSettings):
-    """`checked`: brisk.server.preflight's result (model, window, chat template)."""
+def engine_application(args: argparse.Namespace, checked, settings: ClusterSettings):
+    """The engine deployment alone (`brisk serve --replicas` runs the HTTP ingress in its own
+    process). `checked`: brisk.server.preflight's result (model, window, chat template)."""
     _, serve = require_ray()
     from ray.serve.config import RequestRouterConfig
 
-    from brisk.cluster.ingress import Ingress
     from brisk.cluster.replica import EngineReplica
-    from brisk.models.registry import CATALOG
 
-    per_replica = args.max_num_seqs + args.max_queued_requests
     scaling: dict[str, Any]
     if settings.autoscale:
         scaling = {"autoscaling_config": {
@@ -45,7 +45,7 @@ def build_application(args: argparse.Namespace, checked, settings: ClusterSettin
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_gpus},
-        max_ongoing_requests=per_replica,
+        max_ongoing_requests=_per_replica(args),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[settings.request_router],
             request_router_kwargs={"max_imbalance": settings.router_max_imbalance}),
@@ -53,17 +53,29 @@ def build_application(args: argparse.Namespace, checked, settings: ClusterSettin
         graceful_shutdown_timeout_s=args.shutdown_timeout,
         graceful_shutdown_wait_loop_s=0.5,
         **scaling)
+    return engine.bind(serve_args(args), checked.max_model_len, checked.chat_template)
+
+
+def build_application(args: argparse.Namespace, checked, settings: ClusterSettings):
+    """Ingress + engine: the whole application, for `serve run` / `serve deploy`."""
+    _, serve = require_ray()
+    from brisk.cluster.ingress import Ingress
+    from brisk.models.registry import CATALOG
+
     ingress = serve.deployment(
         serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, num_replicas=1,
         ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=per_replica * settings.max_replicas + 64,
+        max_ongoing_requests=_per_replica(args) * settings.max_replicas + 64,
         graceful_shutdown_timeout_s=args.shutdown_timeout + 5,
         graceful_shutdown_wait_loop_s=0.5)
     source = checked.source
     served = source.name if source.name in CATALOG else source.path.stem
-    values = serve_args(args)
-    return ingress.bind(engine.bind(values, checked.max_model_len, checked.chat_template), values, served,
-                        settings.max_replicas)
+    return ingress.bind(engine_application(args, checked, settings), serve_args(args), served, settings.max_replicas)
+
+
+def _per_replica(args: argparse.Namespace) -> int:
+    """Requests one replica holds: running plus queued (the ingress's admission bounds the total)."""
+    return args.max_num_seqs + args.max_queued_requests
 
 
 def app_builder(config: dict[str, Any]):

@@ -1,4 +1,4 @@
-"""The Ray Serve ingress: brisk's own FastAPI app (brisk.server.app) over the engine replicas.
+"""The ingress: brisk's own FastAPI app (brisk.server.app) over the engine replicas.
 
 Context guard, readiness, API key, errors, streaming and `usage.brisk` are the single-process
 server's code; only the engine behind `ServerState` is a RemoteEngine. The model is not loaded
@@ -32,7 +32,14 @@ class RouterCollector:
         yield GaugeMetricFamily("brisk:replicas", "Engine replicas the router can send to.", value=len(replica_ids()))
 
 
+def attach_router_metrics(state) -> None:
+    state.metrics.registry.register(RouterCollector())
+
+
 class Ingress:
+    """The ingress as a Ray Serve deployment (deploy/ray/serve.yaml); `brisk serve --replicas`
+    serves the same app from its own process instead (brisk.cluster.launch)."""
+
     def __init__(self, engine_handle, serve_args: dict[str, Any], served_name: str, max_replicas: int):
         from brisk.cluster.remote import RemoteEngine
         from brisk.server.serve import server_config
@@ -52,18 +59,7 @@ class Ingress:
                 return RemoteEngine.connect(engine_handle, max_replicas)
 
         self.state = ServerState(config, factory, tracer=tracer)
-        self.state.metrics.registry.register(RouterCollector())
-
-    async def drain(self) -> int:
-        """Stop admitting (new requests get 503, /ready says draining); running requests get
-        --shutdown-timeout to finish, then an error event. Returns the requests still in flight."""
-        import asyncio
-
-        self.state.begin_drain(self.state.loop or asyncio.get_running_loop())
-        return self.state.num_active
-
-    async def in_flight(self) -> int:
-        return self.state.num_active
+        attach_router_metrics(self.state)
 
     def __serve_build_asgi_app__(self):
         from brisk.server.app import create_app

@@ -44,7 +44,11 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (tests constructing it directly)
             self.replica_id = f"pid{os.getpid()}"
-        log.info("replica %s ready", self.replica_id)
+        import torch
+
+        self.torch_threads = torch.get_num_threads()
+        log.info("replica %s ready: %d torch threads, OMP_NUM_THREADS=%s", self.replica_id, self.torch_threads,
+                 os.environ.get("OMP_NUM_THREADS"))
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
@@ -56,6 +60,7 @@ class EngineReplica:
             "max_model_len": engine.max_model_len,
             "max_num_seqs": engine.max_num_seqs,
             "block_size": self.block_size,
+            "torch_threads": self.torch_threads,
             "dtype": str(loaded.dtype).split(".")[-1],
             "device": str(loaded.device),
             "tokenizer_json": tok.fast.to_str(),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, fields, dataclass
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,20 @@ class EngineStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
+        """Several engines (Ray Serve replicas) as one: counts add up, KV usage and fragmentation
+        are the whole pool's."""
+        if not parts:
+            return cls(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0, 0)
+        total = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)
+                 if f.name not in ("kv_usage", "kv_internal_fragmentation", "spec_acceptance_lengths")}
+        used = total["kv_blocks_used"]
+        lengths = [sum(c) for c in zip(*(p.spec_acceptance_lengths for p in parts if p.spec_acceptance_lengths))]
+        return cls(**total, kv_usage=used / total["kv_blocks_total"] if total["kv_blocks_total"] else 0.0,
+                   kv_internal_fragmentation=sum(p.kv_internal_fragmentation * p.kv_blocks_used for p in parts)
+                   / used if used else 0.0, spec_acceptance_lengths=tuple(lengths))
 
 
 class SpecStats:

@@ -53,14 +53,22 @@ class EngineStatsLogger:
                 f"running {now.num_running}, waiting {now.num_waiting}, KV usage {now.kv_usage:.1%}, "
                 f"prefix-cache hits {hit_rate}, preemptions {now.num_preemptions - prev.num_preemptions}")
 
+    async def _stats(self):
+        from brisk.engine.stats import EngineStats
+
+        stats = await self.engine.stats()
+        if isinstance(stats, dict):  # {replica: stats} behind Ray Serve: one line for the deployment
+            stats = EngineStats.combine(list(stats.values()))
+        return stats
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         before = loop.time()
-        self.last = await self.engine.stats()
+        self.last = await self._stats()
         while True:
             await asyncio.sleep(self.interval_s)
             now = loop.time()
-            text = self.line(await self.engine.stats(), now - before)
+            text = self.line(await self._stats(), now - before)
             before = now
             if text:
                 stats_log.info("%s", text)

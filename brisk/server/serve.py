@@ -100,8 +100,10 @@ def load_async_engine(args: argparse.Namespace, max_model_len: int, chat_templat
     return engine
 
 
-def serve(args: argparse.Namespace, build_engine, checked) -> int:
-    """Serve with the socket and model that `preflight` checked (`checked`)."""
+def serve(args: argparse.Namespace, build_engine, checked, remote_engine=None, on_state=None) -> int:
+    """Serve with the socket and model that `preflight` checked (`checked`). `remote_engine`
+    (report -> engine) replaces loading the model here (brisk.cluster: the engines are Ray Serve
+    replicas); `on_state` sees the ServerState before the socket answers."""
     from brisk.models.registry import CATALOG
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -111,7 +113,10 @@ def serve(args: argparse.Namespace, build_engine, checked) -> int:
     warn_about_key_flag(args)
 
     def factory(report: LoadReport):
-        engine = load_async_engine(args, checked.max_model_len, checked.chat_template, build_engine, report)
+        if remote_engine is not None:
+            engine = remote_engine(report)
+        else:
+            engine = load_async_engine(args, checked.max_model_len, checked.chat_template, build_engine, report)
         log.info("ready: http://%s:%d/v1 serves %s", args.host, args.port, config.served_model_name)
         return engine
 
@@ -124,6 +129,8 @@ def serve(args: argparse.Namespace, build_engine, checked) -> int:
         state = ServerState(config, factory, tracer=tracer)
     except ValueError as e:
         raise BriskError(str(e)) from None
+    if on_state is not None:
+        on_state(state)
     app = create_app(state)
     uv_config = uvicorn_config(app, config, args.host, args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=config.shutdown_timeout_s + 5)
