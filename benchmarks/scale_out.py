@@ -5,7 +5,7 @@
    replies at fixed concurrency. The same requests go to a fresh cluster routed by brisk's
    prefix-affinity router and to one routed by Ray Serve's default (power of two choices):
    prefix-cache hit rate (prompt tokens reused / looked up, summed over the replicas' /metrics)
-   and TTFT p50/p99. Each replica's KV pool holds about 5 of the 8 prompts (--kv-cache-memory), as
+   and TTFT p50/p99; affinity with the default --router-max-imbalance (4) and with 1. Each replica's KV pool holds about 5 of the 8 prompts (--kv-cache-memory), as
    a pool smaller than the whole prompt set is what routing has to work around.
 2. Overhead of the Ray path: single-process `brisk serve` vs `brisk serve --replicas 1
    --replica-cpus 2` (same cores, same engine), both up at once and measured in interleaved rounds,
@@ -84,13 +84,16 @@ def shared_prefix_requests(n: int, seed: int = 0) -> list[BenchRequest]:
 
 
 def part_shared_prefix(args, work: Path) -> list[str]:
-    rows = ["| router | requests | streams | prefix-cache hit rate | TTFT p50 | TTFT p99 | routed by prefix / load |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| router | requests | streams | prefix-cache hit rate | TTFT mean | TTFT p50 | TTFT p99 | "
+            "routed by prefix / load |", "|---|---|---|---|---|---|---|---|"]
     requests = shared_prefix_requests(args.requests)
-    for router in ("prefix-affinity", "pow2"):
+    for router, imbalance in (("prefix-affinity", 4), ("prefix-affinity", 1), ("pow2", None)):
         cmd = [sys.executable, "-m", "brisk", "serve", MODEL_ID, "--replicas", "2", "--replica-cpus", "1",
                "--max-model-len", "2048", "--kv-cache-memory", args.kv_cache_memory, "--request-router", router]
-        proc, url = start(cmd, work / f"shared-{router}.log", replicas=2)
+        if imbalance is not None:
+            cmd += ["--router-max-imbalance", str(imbalance)]
+            router = f"{router}, max imbalance {imbalance}"
+        proc, url = start(cmd, work / f"shared-{len(rows)}.log", replicas=2)
         try:
             q0, h0 = metric_sum(url, "brisk:prefix_cache_queries_total"), metric_sum(url, "brisk:prefix_cache_hits_total")
             records = asyncio.run(run_concurrency(url, MODEL_ID, requests, args.concurrency, timeout_s=3600))
@@ -100,7 +103,7 @@ def part_shared_prefix(args, work: Path) -> list[str]:
         finally:
             stop(proc)
         rows.append(f"| {router} | {s.completed}/{len(requests)} | {args.concurrency} | {(h1 - h0) / max(q1 - q0, 1):.1%} "
-                    f"| {s.ttft.median:.2f} s | {s.ttft.p99:.2f} s | "
+                    f"| {s.ttft.mean:.2f} s | {s.ttft.median:.2f} s | {s.ttft.p99:.2f} s | "
                     f"{decisions.get('prefix', 0):.0f} / {decisions.get('load', 0):.0f} |")
         print(rows[-1], flush=True)
     return rows

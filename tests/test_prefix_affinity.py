@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from brisk.cluster.affinity import PrefixAffinity
+from brisk.cluster.affinity import Decision, PrefixAffinity
 from brisk.engine.kv_cache.hashing import hash_full_blocks
 
 BLOCK = 16
@@ -26,7 +26,7 @@ def test_shared_prefix_sticks_to_the_replica_that_served_it():
     for question in range(20):
         ids = SYSTEM + [7, question] * 9  # the same system prompt, another question (one more full block)
         decision = policy.choose(hashes(ids), {"a": 0, "b": 0})
-        assert decision == decision.__class__(first.replica, "prefix", 8)
+        assert decision == Decision(first.replica, "prefix", 8)
         policy.record(hashes(ids), decision.replica)
 
 
@@ -120,3 +120,28 @@ def test_the_ray_serve_config_file_builds_brisks_application():
 
     with pytest.raises(BriskError, match="--min-replicas 3 is greater than --max-replicas 2"):
         app_builder({"flags": f"{flags[0]} --min-replicas 3 --max-replicas 2"})
+
+
+def test_new_prefixes_go_to_the_replica_holding_fewer_blocks_unless_it_is_overloaded():
+    policy = PrefixAffinity(max_imbalance=2, rng=random.Random(3))
+    policy.record(hashes(SYSTEM), "a")  # a holds 8 blocks, b none
+    fresh = hashes([77] * 4 * BLOCK)
+    assert policy.choose(fresh, {"a": 0, "b": 2}) == Decision("b", "load")
+    assert policy.choose(fresh, {"a": 0, "b": 3}).replica == "a"  # b is 3 past the least loaded: not a fit
+
+
+def test_a_shared_chat_template_header_is_not_affinity():
+    """Every chat prompt starts with the same template block: following that match would send every
+    new system prompt to one replica (measured: all 8 on one pool, which then thrashed its LRU)."""
+    policy = PrefixAffinity(rng=random.Random(4))
+    header = [1, 2, 3, 4] * (BLOCK // 4)
+    placed = []
+    for k in range(8):
+        ids = header + [5000 + k] * 40 * BLOCK  # one shared block, then 40 of the prompt's own
+        decision = policy.choose(hashes(ids), {"a": 0, "b": 0})
+        assert decision.reason == "load"
+        policy.record(hashes(ids), decision.replica)
+        placed.append(decision.replica)
+    assert sorted(placed) == ["a"] * 4 + ["b"] * 4
+    again = policy.choose(hashes(header + [5003] * 40 * BLOCK + [9] * BLOCK), {"a": 0, "b": 0})
+    assert (again.replica, again.reason) == (placed[3], "prefix")

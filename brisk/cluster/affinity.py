@@ -22,6 +22,9 @@ from typing import Sequence
 
 DEFAULT_MAX_ENTRIES = 65_536
 DEFAULT_MAX_IMBALANCE = 4  # ongoing requests the affine replica may have beyond the least-loaded one
+# A match shorter than this share of the prompt's blocks is no affinity: every chat prompt shares its
+# template's first block, and following that would pile every new prompt onto one replica.
+DEFAULT_MIN_MATCH = 0.1
 
 
 @dataclass(frozen=True)
@@ -33,13 +36,14 @@ class Decision:
 
 class PrefixAffinity:
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, min_match: float = DEFAULT_MIN_MATCH):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         if max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
         self.max_entries = max_entries
         self.max_imbalance = max_imbalance
+        self.min_match = min_match
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> replica id, LRU order
         self.owned: dict[str, int] = {}  # replica id -> blocks recorded against it
         self._rng = rng or random.Random()
@@ -58,19 +62,29 @@ class PrefixAffinity:
         return None, 0
 
     def choose(self, hashes: Sequence[bytes], queue_lens: dict[str, int]) -> Decision:
-        """`queue_lens`: ongoing requests per candidate replica. The affine replica wins unless it has
-        more than `max_imbalance` requests beyond the least-loaded candidate; otherwise (or with no
-        affine replica) power of two choices: the shorter queue of two random candidates, ties going to
-        the replica with fewer recorded blocks (so new prefixes spread their KV across replicas)."""
+        """`queue_lens`: ongoing requests per candidate replica. The affine replica (holding at least
+        `min_match` of the prompt's blocks) wins unless it has
+        more than `max_imbalance` requests beyond the least-loaded candidate; then power of two
+        choices (the shorter queue of two random candidates). A prefix nobody holds goes to the
+        replica holding the fewest recorded blocks among those within `max_imbalance` of the least
+        loaded (ties: power of two choices), so the prompt set's KV spreads evenly over the pools
+        instead of piling onto one and thrashing its LRU (measured: benchmarks/scale_out.py)."""
         if not queue_lens:
             raise ValueError("no replica to choose from")
         owner, depth = self.lookup(hashes, list(queue_lens))
+        if depth < self.min_match * len(hashes):
+            owner, depth = None, 0  # only a template's worth in common: a new prefix
         least = min(queue_lens.values())
         if owner is not None and queue_lens[owner] - least <= self.max_imbalance:
             return Decision(owner, "prefix", depth)
-        names = sorted(queue_lens)
-        pair = self._rng.sample(names, 2) if len(names) > 1 else names
-        return Decision(min(pair, key=lambda r: (queue_lens[r], self.owned.get(r, 0))), "load")
+        if owner is None:  # a new prefix: to the replica holding the fewest blocks among those not overloaded
+            fit = [r for r in sorted(queue_lens) if queue_lens[r] - least <= self.max_imbalance]
+            fewest = min(self.owned.get(r, 0) for r in fit)
+            fit = [r for r in fit if self.owned.get(r, 0) == fewest]
+        else:  # the affine replica is overloaded: power of two choices among all
+            fit = sorted(queue_lens)
+        pair = self._rng.sample(fit, 2) if len(fit) > 1 else fit
+        return Decision(min(pair, key=lambda r: queue_lens[r]), "load")
 
     def record(self, hashes: Sequence[bytes], replica: str) -> None:
         """`replica` now holds (or is computing) these blocks."""

@@ -18,6 +18,8 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from brisk.engine.errors import EngineDeadError
 from brisk.engine.kv_cache.hashing import hash_full_blocks
 from brisk.server.errors import APIError
@@ -110,7 +112,7 @@ class RemoteEngine:
             except (asyncio.CancelledError, KeyboardInterrupt):
                 gen.cancel()
                 raise
-            except Exception as e:  # noqa: BLE001 - a replica died or vanished before accepting: try another
+            except RayActorError as e:  # the replica died or vanished before accepting: try another
                 log.warning("request %s: replica unavailable before accepting (%s); attempt %d of %d",
                             request_id, type(e).__name__, attempt + 1, ADD_ATTEMPTS)
                 if attempt + 1 == ADD_ATTEMPTS:
@@ -138,9 +140,13 @@ class RemoteEngine:
         except asyncio.CancelledError:
             gen.cancel()  # aborts the request on its replica
             raise
-        except Exception as e:  # noqa: BLE001 - the replica died or became unreachable mid-stream
+        except RayActorError as e:  # the replica died or became unreachable mid-stream
             log.warning("request %s: its replica was lost mid-stream: %r", request_id, e)
             queue.put_nowait((tag, _replica_lost(request_id, e)))
+        except Exception as e:  # noqa: BLE001 - a bug on the replica: an error event, never a hang
+            log.error("request %s failed on its replica", request_id, exc_info=e)
+            queue.put_nowait((tag, APIError(500, "internal server error on a replica; the server log has the "
+                                                 "details")))
 
     def abort(self, request_id: str) -> None:
         entry = self._tasks.pop(request_id, None)
