@@ -196,3 +196,25 @@ def test_guard_outcome_is_a_span_attribute(demo):
     assert root.attributes["brisk.context_guard.outcome"] == "clamped"
     assert root.attributes["brisk.context_guard.max_tokens_clamped_to"] == r.json()["brisk"]["max_tokens_clamped_to"]
 
+
+
+def test_engine_stats_of_several_replicas_combine_into_one_pool():
+    """The periodic stats line behind Ray Serve: counts add up; KV usage and fragmentation are the
+    whole pool's (weighted by blocks), not an average of the replicas' ratios."""
+    from brisk.engine.stats import EngineStats
+
+    a = EngineStats(num_running=2, num_waiting=1, kv_blocks_total=100, kv_blocks_used=90, kv_blocks_cached_free=5,
+                    kv_blocks_free=10, kv_usage=0.9, kv_internal_fragmentation=0.1, prefix_cache_queries_tokens=50,
+                    prefix_cache_hits_tokens=20, num_preemptions=1, num_steps=7, prompt_tokens=30,
+                    generation_tokens=40, spec_draft_tokens=8, spec_accepted_tokens=4, spec_acceptance_lengths=(1, 2, 1))
+    b = EngineStats(num_running=1, num_waiting=0, kv_blocks_total=300, kv_blocks_used=10, kv_blocks_cached_free=0,
+                    kv_blocks_free=290, kv_usage=10 / 300, kv_internal_fragmentation=0.5,
+                    prefix_cache_queries_tokens=10, prefix_cache_hits_tokens=0, num_preemptions=0, num_steps=3,
+                    prompt_tokens=5, generation_tokens=6)
+    both = EngineStats.combine([a, b])
+    assert (both.num_running, both.num_waiting, both.kv_blocks_total, both.kv_blocks_used) == (3, 1, 400, 100)
+    assert (both.prefix_cache_hits_tokens, both.num_steps, both.generation_tokens) == (20, 10, 46)
+    assert both.kv_usage == 100 / 400
+    assert both.kv_internal_fragmentation == (0.1 * 90 + 0.5 * 10) / 100
+    assert (both.spec_draft_tokens, both.spec_acceptance_lengths) == (8, (1, 2, 1))
+    assert EngineStats.combine([]).kv_blocks_total == 0

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError
 
 from brisk.engine.errors import EngineDeadError
 from brisk.engine.kv_cache.hashing import hash_full_blocks
+from brisk.engine.stream import RequestStream
 from brisk.server.errors import APIError
 
 log = logging.getLogger("brisk.cluster")
@@ -125,7 +126,7 @@ class RemoteEngine:
         task = asyncio.create_task(self._pump(gen, sink, request_id))
         self._tasks[request_id] = (task, gen, sink)
         task.add_done_callback(lambda _t, rid=request_id: self._tasks.pop(rid, None))
-        return RemoteStream(self, request_id)
+        return RequestStream(self, request_id, sink[0])  # the handle to close (abort); outputs go to the sink
 
     async def _pump(self, gen, sink: tuple[asyncio.Queue, Any], request_id: str) -> None:
         queue, tag = sink
@@ -193,19 +194,3 @@ def _outside_request(call, *args, **kwargs):
     id: sibling calls of one HTTP request (the `n` choices, the per-replica stats) sent to different
     replicas would wait on each other forever."""
     return contextvars.Context().run(call, *args, **kwargs)
-
-
-class RemoteStream:
-    """The handle `_Run` keeps per choice: closing it aborts the request unless it finished."""
-
-    def __init__(self, engine: RemoteEngine, request_id: str):
-        self.engine, self.request_id = engine, request_id
-        self.done = False
-
-    def mark_done(self) -> None:
-        self.done = True
-
-    def close(self) -> None:
-        if not self.done:
-            self.done = True
-            self.engine.abort(self.request_id)

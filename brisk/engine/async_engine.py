@@ -22,6 +22,7 @@ from brisk.engine.errors import EngineDeadError
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.stats import EngineStats
+from brisk.engine.stream import RequestStream
 from brisk.errors import BriskError
 
 log = logging.getLogger("brisk.engine")
@@ -217,37 +218,6 @@ class AsyncLLMEngine:
                 return
             if reply is not None:
                 _reply(reply, None, error)
-
-
-class RequestStream:
-    """One request's outputs, in order; `close()` aborts it unless it already finished."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, outputs: asyncio.Queue):
-        self.engine, self.request_id, self._outputs = engine, request_id, outputs
-        self.done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        item = await self._outputs.get()
-        if isinstance(item, BaseException):
-            self.done = True  # the engine already dropped it (fail, death)
-            raise item
-        if item.finished:
-            self.done = True
-        return item
-
-    def mark_done(self) -> None:
-        """Its final output (or failure) was received through a sink: closing has nothing to abort."""
-        self.done = True
-
-    def close(self) -> None:
-        if not self.done:
-            self.done = True
-            self.engine.abort(self.request_id)
 
 
 def _reply(reply: tuple[asyncio.AbstractEventLoop, asyncio.Future], value, error) -> None:
