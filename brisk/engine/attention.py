@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk import kernels
+from brisk.kernels import fused
 
 log = logging.getLogger("brisk.attention")
 
@@ -112,6 +113,10 @@ class TorchPagedAttention:
     gather their context out of the cache (index_select) and run SDPA on the copy: the reference
     the compiled kernel is tested against, and the path on devices the kernel does not cover."""
 
+    # set by the model runner for steps of decode rows only: (residual, rope) -> final hidden states,
+    # the whole decoder stack in one compiled call (brisk/engine/decode_stack.py)
+    decode_stack = None
+
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float):
         self.cache, self.meta, self.scale = cache, meta, scale
         # per window (None: the whole context): decode rows' slots and padding mask, built once per
@@ -146,8 +151,7 @@ class TorchPagedAttention:
         meta = self.meta
         window = meta.window(layer)
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        fused.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             n = meta.num_decodes

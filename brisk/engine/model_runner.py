@@ -4,12 +4,14 @@ logits for the rows that sample, and the sampler."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from brisk.engine.attention import (AttentionMetadata, PagedKVCache, PrefillSeq, attention_backend, block_tables,
-                                    context_slots)
+from brisk.engine.attention import (AttentionMetadata, KernelPagedAttention, PagedKVCache, PrefillSeq,
+                                    attention_backend, block_tables, context_slots)
+from brisk.engine.decode_stack import DecodeStack
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput
 from brisk.engine.scheduler import ScheduledChunk
@@ -28,6 +30,8 @@ class ModelRunner:
         self.scale = cfg.head_dim ** -0.5
         self.attention = attention_backend(torch.device(loaded.device), loaded.dtype)
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
+        self.decode_stack = (DecodeStack.build(self.model, self.kv, self.scale, block_size)
+                             if self.attention is KernelPagedAttention else None)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         # decodes (with their drafts) first, order kept otherwise
@@ -57,6 +61,8 @@ class ModelRunner:
         drafted tokens: the tokens each request emits after verification)."""
         input_ids, positions, meta, sample_rows, sample_requests, drafts = self._prepare(chunks)
         attention = self.attention(self.kv, meta, self.scale)
+        if self.decode_stack is not None and not meta.prefills:
+            attention.decode_stack = functools.partial(self.decode_stack, meta=meta)
         hidden = self.model(input_ids, positions, attention)
         if not sample_requests:
             return [], None

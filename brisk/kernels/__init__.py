@@ -1,7 +1,8 @@
 """brisk's compiled CPU kernels and their PyTorch reference.
 
-`quant_matmul.cpp` (weight-only int4/int8 matmuls) and `paged_attention.cpp` (decode attention
-through block tables), see their headers, make one plain C library, `_kernels.so`.
+`quant_matmul.cpp` (weight-only int4/int8 matmuls), `paged_attention.cpp` (decode attention
+through block tables) and `fused_ops.cpp` (a decoder layer's norm, RoPE, SiLU-gate and K/V store,
+one call each), see their headers, make one plain C library, `_kernels.so`.
 `make` builds it next to this file (`python -m brisk.kernels`), and so does `pip install` of a
 checkout (setup.py); an install without either builds it on first use into
 `$BRISK_CACHE/kernels/` when a C++ compiler is present. Without
@@ -51,6 +52,14 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.brisk_paged_attention_isa.restype = ctypes.c_int
     lib.brisk_paged_attention_force_isa.argtypes = [ctypes.c_int]
     lib.brisk_paged_attention_force_isa.restype = None
+    lib.brisk_rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+    lib.brisk_rms_norm.restype = None
+    lib.brisk_silu_mul.argtypes = [p, p, i64, i64]
+    lib.brisk_silu_mul.restype = None
+    lib.brisk_rope.argtypes = [p, i64, p, p, i64, i64, i64, i64]
+    lib.brisk_rope.restype = None
+    lib.brisk_store_kv.argtypes = [p, p, i64, p, p, p, ctypes.c_int, i64, i64]
+    lib.brisk_store_kv.restype = None
     return lib
 
 

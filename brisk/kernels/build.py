@@ -11,14 +11,15 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "quant_matmul.cpp", HERE / "paged_attention.cpp")
+SOURCES = (HERE / "quant_matmul.cpp", HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "decoder.cpp")
+HEADERS = (HERE / "simd_avx2.h",)
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=x86-64", "-Wall"]
 
 
 def source_tag() -> str:
     """Names the source and flags a library was built from (written beside it as NAME.tag)."""
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 

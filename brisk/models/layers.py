@@ -11,10 +11,10 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ModelConfig, RopeConfig
+from brisk.kernels import fused
 
 
 class RMSNorm(nn.Module):
@@ -23,13 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused kernel, same math
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with `residual`: residual += x in place, then norm(residual) (one pass)."""
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -127,29 +123,15 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTables":
         """cos/sin rows for these positions, looked up once per forward and shared by all layers."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, rotary_dim // 2]
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return RopeTables(cos, sin, self.rotary_dim)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim], positions: [T]."""
-        return self.tables(positions, q.dtype).apply(q, k)
+        return RopeTables(self.cos[positions].to(dtype), self.sin[positions].to(dtype), self.rotary_dim)
 
 
 class RopeTables(NamedTuple):
-    cos: torch.Tensor
+    cos: torch.Tensor  # [T, rotary_dim // 2]
     sin: torch.Tensor
     rotary_dim: int
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(q), self.rotate(k)
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; q and k heads side by side rotate in one pass."""
-        return _rotate(x, self.cos, self.sin, self.rotary_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
-    half = rot_dim // 2
-    x1, x2, rest = x[..., :half], x[..., half:rot_dim], x[..., rot_dim:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    def rotate_(self, x: torch.Tensor, heads: int, head_dim: int) -> None:
+        """Rotate in place the first `heads` heads of each row of x [T, width] (q and k heads side
+        by side in the fused qkv projection rotate in one pass)."""
+        fused.rope_(x, heads, head_dim, self.cos, self.sin, self.rotary_dim)

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ModelConfig
+from brisk.kernels import fused
 from brisk.models.layers import RMSNorm, RopeTables, RotaryEmbedding
 from brisk.models.linear import Linear
 
@@ -40,11 +40,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x, rope: RopeTables, attention: Attention):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        qk_size = self.q_size + self.kv_size
-        # q and k heads are adjacent in qkv: rotate them together, then split the result
-        qk = rope.rotate(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        # q and k heads are adjacent in qkv: rotate them together, in place
+        rope.rotate_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
         return self.o_proj(out)
 
@@ -57,8 +57,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,9 +68,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, attention):
-        x = x + self.self_attn(self.input_layernorm(x), rope, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, attention, next_norm: RMSNorm):
+        """x: this layer's normalized input; residual: the stream, updated in place. Returns
+        `next_norm` (the next layer's input norm, or the final norm) of the updated stream."""
+        x = self.post_attention_layernorm(self.self_attn(x, rope, attention), residual)
+        return next_norm(self.mlp(x), residual)
 
 
 class LlamaModel(nn.Module):
@@ -108,11 +109,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, attention)
-        return self.model.norm(x)
+        residual = self.model.embed_tokens(input_ids)  # the residual stream, added to in place
+        rope = self.rotary.tables(positions, residual.dtype)
+        stack = getattr(attention, "decode_stack", None)
+        if stack is not None:  # a decode-only step: every layer in one compiled call, same results
+            return stack(residual, rope)
+        layers = self.model.layers
+        x = layers[0].input_layernorm(residual)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = layer(x, residual, rope, attention, next_norm)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab_size] in float32."""

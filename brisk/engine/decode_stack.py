@@ -1,0 +1,155 @@
+"""A decode step's decoder layers in one compiled call (`brisk/kernels/decoder.cpp`).
+
+When every row of a step is one new token, the model's layers run as one C loop over the same
+kernels the Python path calls one by one (quantized matmuls, RMSNorm, RoPE, K/V store, paged
+attention, SiLU-gate), in the same order: the result is bit-identical, and a step at one row no
+longer pays ~10 Python/ctypes dispatches per layer. Steps with a prompt chunk, float weights,
+other devices or dtypes take the Python path (`LlamaForCausalLM.forward`);
+`BRISK_DECODE_STACK=off` makes every step take it (to compare).
+
+The per-layer table (weight and cache addresses, shapes) is built once, when the runner is made:
+weights and the KV pool never move afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from brisk import kernels
+from brisk.engine.attention import AttentionMetadata, PagedKVCache
+from brisk.models.layers import RopeTables
+from brisk.models.llama import LlamaForCausalLM
+from brisk.models.quant import QuantLinear
+
+log = logging.getLogger("brisk.decode_stack")
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _QuantWeight(ctypes.Structure):
+    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _QuantWeight), ("o", _QuantWeight), ("gate_up", _QuantWeight), ("down", _QuantWeight),
+                ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("window", _i64)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rot_dim", _i64),
+                ("inter", _i64), ("kv_bf16", _i64), ("block_size", _i64), ("part_tokens", _i64),
+                ("eps", _f32), ("scale", _f32)]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("x", "qkv", "q", "attn", "proj", "gate_up", "act", "xq", "xd", "xs")]
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    if getattr(lib, "_brisk_stack_bound", False):
+        return
+    lib.brisk_decode_stack.argtypes = [ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Dims), _p, _p, _p, _p, _p,
+                                       _p, _i64, _p, _i64, ctypes.POINTER(_Scratch), _p]
+    lib.brisk_decode_stack.restype = ctypes.c_int
+    lib._brisk_stack_bound = True
+
+
+def _quant_weight(linear: torch.nn.Module) -> _QuantWeight | None:
+    if not isinstance(linear, QuantLinear) or not all(
+            t.device.type == "cpu" and t.is_contiguous() for t in (linear.qweight, linear.scales, linear.mins)
+            if t is not None):
+        return None
+    if linear.bias is not None and not (linear.bias.dtype == torch.float32 and linear.bias.is_contiguous()):
+        return None
+    return _QuantWeight(linear.qweight.data_ptr(), linear.scales.data_ptr(),
+                        None if linear.mins is None else linear.mins.data_ptr(),
+                        None if linear.bias is None else linear.bias.data_ptr(),
+                        linear.fmt.bits, linear.out_features, linear.in_features)
+
+
+def _f32_vector(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+class DecodeStack:
+    """Callable: (residual [rows, hidden] float32 embeddings, rope tables, step metadata) -> final
+    hidden states; `residual` ends as the residual stream (as on the Python path)."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, layers: list[_Layer], dims: _Dims):
+        self._lib, self._model = lib, model
+        self._layers = (_Layer * len(layers))(*layers)
+        self._dims = dims
+        self._final_norm = model.model.norm.weight
+        cfg = model.config
+        self._widths = {"x": cfg.hidden_size, "qkv": cfg.q_size + 2 * cfg.kv_size, "q": cfg.q_size,
+                        "attn": cfg.q_size, "proj": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
+                        "act": cfg.intermediate_size}
+        self._max_k = max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv: PagedKVCache, scale: float, block_size: int) -> "DecodeStack | None":
+        """The stack for this model and KV pool, or None where it does not apply (the reason is logged)."""
+        lib = kernels.library()
+        reason = None
+        cfg = model.config
+        if os.environ.get("BRISK_DECODE_STACK", "auto") == "off":
+            reason = "BRISK_DECODE_STACK=off"
+        elif lib is None or not hasattr(lib, "brisk_decode_stack"):
+            reason = "no compiled kernels"
+        elif cfg.head_dim > 256 or cfg.num_heads > 128 or cfg.num_heads % cfg.num_kv_heads:
+            reason = "attention shape the paged kernel does not take"
+        elif not isinstance(model, LlamaForCausalLM):
+            reason = f"model class {type(model).__name__}"
+        elif not all(_f32_vector(k) and _f32_vector(v) for k, v in zip(kv.k, kv.v)):
+            reason = "KV cache is not float32 on the CPU"
+        if reason is None:
+            layers = []
+            for i, layer in enumerate(model.model.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                weights = [_quant_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                if any(w is None for w in weights) or any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj,
+                                                                                       mlp.down_proj)):
+                    reason = f"layer {i} has float (or biased) projections"
+                    break
+                norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+                if not all(_f32_vector(w) for w in norms):
+                    reason = f"layer {i}'s norms are not float32"
+                    break
+                window = cfg.layer_windows[i] if cfg.layer_windows else None
+                layers.append(_Layer(*weights, norms[0].data_ptr(), norms[1].data_ptr(), kv.k[i].data_ptr(),
+                                     kv.v[i].data_ptr(), window or 0))
+            if reason is None and not _f32_vector(model.model.norm.weight):
+                reason = "final norm is not float32"
+        if reason is not None:
+            log.info("decode steps: layer by layer from Python (%s)", reason)
+            return None
+        _bind(lib)
+        dims = _Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rotary.rotary_dim,
+                     cfg.intermediate_size, 0, block_size, kernels.PART_TOKENS, cfg.rms_norm_eps, scale)
+        log.info("decode steps: the whole decoder stack in one compiled call")
+        return cls(lib, model, layers, dims)
+
+    def __call__(self, residual: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
+        rows = residual.shape[0]
+        widths = self._widths
+        buffers = {name: torch.empty(rows, w, dtype=torch.float32) for name, w in widths.items()}
+        xq = torch.empty(rows * self._max_k, dtype=torch.int8)
+        xd = torch.empty(rows * self._max_k // kernels.QK, dtype=torch.float32)
+        xs = torch.empty_like(xd)
+        scratch = _Scratch(*(b.data_ptr() for b in buffers.values()), xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+        tables = meta.decode_tables.to(torch.int32).contiguous()
+        lens = meta.decode_lens.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+        out = torch.empty(rows, widths["x"], dtype=torch.float32)
+        code = self._lib.brisk_decode_stack(self._layers, len(self._layers), ctypes.byref(self._dims),
+                                            self._final_norm.data_ptr(), residual.data_ptr(), cos.data_ptr(),
+                                            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                            lens.data_ptr(), rows, ctypes.byref(scratch), out.data_ptr())
+        if code:  # build() checked the shapes the kernel takes; a refusal here is a bug
+            raise RuntimeError(f"brisk_decode_stack refused the step (code {code})")
+        return out

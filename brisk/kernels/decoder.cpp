@@ -1,0 +1,116 @@
+// A whole stack of Llama decoder layers for one decode step, in one call: the step where every
+// row is a single new token (the bulk of serving, and all of single-stream decoding). From
+// Python that step is ~10 calls a layer (norms, matmuls, RoPE, K/V store, attention, SiLU-gate),
+// each paying dispatch that at one row costs as much as its math; here the loop over layers runs
+// in C and calls the same kernels the Python path calls, in the same order, on the same values:
+// the two paths give bit-identical results (tests/test_decode_stack.py holds them to it).
+//
+// Applies to layers whose four projections are brisk's quantized linears (quant_matmul.cpp),
+// float32 activations, and K/V read in place by the paged kernel (paged_attention.cpp).
+// brisk/engine/decode_stack.py checks that and builds the per-layer table once.
+
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
+                        int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out);
+int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
+                                 const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+                                 int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, int64_t part_tokens, int64_t window,
+                                 float* out);
+void brisk_rms_norm(const float* x, float* residual, const float* w, float* out, int64_t rows, int64_t dim,
+                    float eps);
+void brisk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
+void brisk_rope(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t rows, int64_t heads,
+                int64_t head_dim, int64_t rot_dim);
+void brisk_store_kv(const float* k, const float* v, int64_t src_stride, const int64_t* slots, void* k_cache,
+                    void* v_cache, int bf16, int64_t rows, int64_t width);
+}
+
+namespace {
+
+// One quantized weight [n, k] (see quant_matmul.cpp), and an optional float32 bias [n].
+struct QuantWeight {
+    const uint8_t* q;
+    const uint16_t* d;
+    const uint16_t* m;  // null: no offsets
+    const float* bias;  // null: no bias
+    int64_t bits, n, k;
+};
+
+struct Layer {
+    QuantWeight qkv, o, gate_up, down;
+    const float* input_norm;  // weights [hidden]
+    const float* post_norm;
+    void* k_cache;  // [slots, kv_heads, head_dim], float32 or bfloat16
+    void* v_cache;
+    int64_t window;  // sliding window, 0: none
+};
+
+struct Dims {
+    int64_t hidden, heads, kv_heads, head_dim, rot_dim, inter;
+    int64_t kv_bf16, block_size, part_tokens;
+    float eps, scale;
+};
+
+struct Scratch {  // float32 buffers the caller allocates, sized for the step's rows
+    float *x, *qkv, *q, *attn, *proj, *gate_up, *act;
+    int8_t* xq;  // activation blocks for the matmuls
+    float *xd, *xs;
+};
+
+void matmul(const QuantWeight& w, const float* x, int64_t rows, const Scratch& s, float* out) {
+    brisk_quant_matmul(x, w.q, w.d, w.m, (int)w.bits, rows, w.n, w.k, s.xq, s.xd, s.xs, out);
+    if (w.bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < w.n; i++) out[r * w.n + i] += w.bias[i];
+}
+
+}  // namespace
+
+extern "C" {
+
+// residual [rows, hidden]: the embeddings in, the residual stream after the last layer out;
+// out [rows, hidden]: the final norm of it. cos, sin [rows, rot_dim / 2]; slots [rows] int64;
+// block_tables [rows, max_blocks] and context_lens [rows] int32 (lengths include the new token).
+// Returns 0, or the paged kernel's nonzero code for a shape it refuses (checked before the first
+// layer, so nothing has been written then).
+int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims, const float* final_norm,
+                       float* residual, const float* cos, const float* sin, const int64_t* slots,
+                       const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens, int64_t rows,
+                       const Scratch* scratch, float* out) {
+    const Dims& d = *dims;
+    const Scratch& s = *scratch;
+    const int64_t q_size = d.heads * d.head_dim, kv_size = d.kv_heads * d.head_dim;
+    const int64_t qkv_n = q_size + 2 * kv_size;
+    if (d.head_dim > 256) return 1;
+    if (d.kv_heads <= 0 || d.heads % d.kv_heads) return 3;
+    if (d.heads > 128) return 2;
+
+    brisk_rms_norm(residual, nullptr, layers[0].input_norm, s.x, rows, d.hidden, d.eps);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const Layer& L = layers[l];
+        matmul(L.qkv, s.x, rows, s, s.qkv);
+        brisk_rope(s.qkv, qkv_n, cos, sin, rows, d.heads + d.kv_heads, d.head_dim, d.rot_dim);
+        brisk_store_kv(s.qkv + q_size, s.qkv + q_size + kv_size, qkv_n, slots, L.k_cache, L.v_cache,
+                       (int)d.kv_bf16, rows, kv_size);
+        for (int64_t r = 0; r < rows; r++) std::memcpy(s.q + r * q_size, s.qkv + r * qkv_n, q_size * sizeof(float));
+        const int code = brisk_paged_decode_attention(s.q, L.k_cache, L.v_cache, (int)d.kv_bf16, block_tables,
+                                                      max_blocks, context_lens, rows, d.heads, d.kv_heads,
+                                                      d.head_dim, d.block_size, d.scale, d.part_tokens, L.window,
+                                                      s.attn);
+        if (code) return code;
+        matmul(L.o, s.attn, rows, s, s.proj);
+        brisk_rms_norm(s.proj, residual, L.post_norm, s.x, rows, d.hidden, d.eps);
+        matmul(L.gate_up, s.x, rows, s, s.gate_up);
+        brisk_silu_mul(s.gate_up, s.act, rows, d.inter);
+        matmul(L.down, s.act, rows, s, s.proj);
+        const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
+        brisk_rms_norm(s.proj, residual, next_norm, l + 1 < num_layers ? s.x : out, rows, d.hidden, d.eps);
+    }
+    return 0;
+}
+
+}  // extern "C"
