@@ -1,8 +1,10 @@
 """brisk's compiled CPU kernels and their PyTorch reference.
 
 `quant_matmul.cpp` (weight-only int4/int8 matmuls), `paged_attention.cpp` (decode attention
-through block tables) and `fused_ops.cpp` (a decoder layer's norm, RoPE, SiLU-gate and K/V store,
-one call each), see their headers, make one plain C library, `_kernels.so`.
+through block tables), `fused_ops.cpp` (a decoder layer's norm, RoPE, SiLU-gate and K/V store,
+one call each; Python side in `fused.py`) and `decoder.cpp` (a decode step's whole layer stack over
+those, driven by `brisk/engine/decode_stack.py`), see their headers, make one plain C library,
+`_kernels.so`.
 `make` builds it next to this file (`python -m brisk.kernels`), and so does `pip install` of a
 checkout (setup.py); an install without either builds it on first use into
 `$BRISK_CACHE/kernels/` when a C++ compiler is present. Without
