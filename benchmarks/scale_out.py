@@ -10,10 +10,11 @@
 2. Overhead of the Ray path: single-process `brisk serve` vs `brisk serve --replicas 1
    --replica-cpus 2` (same cores, same engine), both up at once and measured in interleaved rounds,
    at 1 and 16 streams, short chat prompts, 64-token replies (ignore_eos): output tok/s, TTFT p50.
+   `--stream-interval N` passes that flag to the Ray server (tokens per replica -> ingress message).
 
 Prints the machine's read bandwidth beside the figures (these machines vary 2x from day to day).
 
-    .venv/bin/python benchmarks/scale_out.py [--parts 1,2] [--requests 64] [--concurrency 8]
+    .venv/bin/python benchmarks/scale_out.py [--parts 1,2] [--requests 64] [--concurrency 8] [--stream-interval 1]
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ def part_overhead(args, work: Path) -> list[str]:
     round by round, so the machine's drift hits both alike; the ratio is the median of the rounds'."""
     base = [sys.executable, "-m", "brisk", "serve", MODEL_ID, "--max-model-len", "2048", "--kv-cache-memory", "1GiB"]
     one, ray = "one process", f"Ray Serve, 1 replica x {os.cpu_count()} CPUs"
-    systems = {one: (base, None), ray: ([*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2)], 1)}
+    ray_cmd = [*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2)]
+    if args.stream_interval != 1:
+        ray_cmd += ["--stream-interval", str(args.stream_interval)]
+    systems = {one: (base, None), ray: (ray_cmd, 1)}
     rng = random.Random(1)
     procs, urls = [], {}
     try:
@@ -152,6 +156,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of part 2")
     parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica (default: ~5 of the 8 prompts)")
+    parser.add_argument("--stream-interval", type=int, default=1, help="part 2: the Ray server's --stream-interval")
     args = parser.parse_args()
     gbs, _ = read_bandwidth_gbs()
     print(f"read bandwidth: {gbs:.1f} GB/s, {os.cpu_count()} cores", flush=True)

@@ -64,8 +64,10 @@ def test_mistakes_fail_fast_in_one_line(argv, needle):
     (["--replicas", "2", "--ray-address", "nonsense"], "expected auto, host:port or ray://host:port"),
     (["--ray-address", "auto"], "--ray-address applies to Ray Serve only; add --replicas N"),
     (["--replicas", "2", "--target-ongoing-requests", "0"], "--target-ongoing-requests must be > 0"),
+    (["--replicas", "1", "--stream-interval", "0"], "--stream-interval must be >= 1 (tokens per message), got 0"),
+    (["--stream-interval", "4"], "--stream-interval applies to Ray Serve only; add --replicas N"),
 ], ids=["zero-replicas", "min-over-max", "outside-range", "too-many-cpus", "unreachable", "bad-address",
-        "address-without-replicas", "target"])
+        "address-without-replicas", "target", "stream-interval", "stream-interval-without-replicas"])
 def test_scale_out_mistakes_fail_fast_without_starting_ray(argv, needle):
     line, _, imported = serve_fails(*argv)
     assert needle in line, line

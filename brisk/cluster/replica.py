@@ -7,7 +7,8 @@ Serve. `check_health` fails once the engine loop died, so Serve replaces the rep
 The ingress (brisk.cluster.remote) speaks to it with plain picklable values:
 - `info()`: what the HTTP layer needs of the model (tokenizer, limits, load report);
 - `generate(...)`: a stream whose first item is ("accepted",) or ("invalid", message, field) or
-  ("dead", message), then lists of RequestOutputs (every output ready at once, one Ray message),
+  ("dead", message), then lists of RequestOutputs (every output ready at once, one Ray message;
+  with --stream-interval N, held until N new tokens, except the first token and the last output),
   ending with the finished one, or ("dead", message) if the engine loop died meanwhile;
 - `stats()`: (replica id, EngineStats) for the ingress's /metrics.
 Closing the stream (client gone, timeout) cancels the generator here, which aborts the request.
@@ -37,6 +38,7 @@ class EngineReplica:
         self.report = LoadReport()
         self.engine = load_async_engine(args, max_model_len, chat_template, build_engine, self.report)
         self.block_size = args.block_size
+        self.stream_interval = getattr(args, "stream_interval", None) or 1
         self._grammars = None
         try:
             from ray import serve
@@ -90,6 +92,7 @@ class EngineReplica:
             yield ("invalid", str(e), getattr(e, "field", None))
             return
         yield ("accepted",)
+        pending, held_tokens, sent_first = [], 0, False
         try:
             while True:
                 batch = [(await queue.get())[1]]
@@ -97,13 +100,18 @@ class EngineReplica:
                     batch.append(queue.get_nowait()[1])
                 failure = next((item for item in batch if isinstance(item, BaseException)), None)
                 outputs = [item for item in batch if not isinstance(item, BaseException)]
-                if outputs:
-                    yield outputs
+                pending += outputs
+                held_tokens += sum(len(o.delta_token_ids) for o in outputs)
+                finished = bool(outputs) and outputs[-1].finished
+                if pending and (failure is not None or finished or not sent_first
+                                or held_tokens >= self.stream_interval):
+                    yield pending
+                    pending, held_tokens, sent_first = [], 0, True
                 if failure is not None:
                     stream.mark_done()
                     yield ("dead", str(failure))
                     return
-                if outputs[-1].finished:
+                if finished:
                     stream.mark_done()
                     return
         finally:  # finished: nothing to abort; cancelled (the ingress closed the stream): abort

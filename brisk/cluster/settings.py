@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--router-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
                    help="prefix affinity yields to load when the affine replica has this many more ongoing "
                         f"requests than the least-loaded one (default {DEFAULT_MAX_IMBALANCE})")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="a replica sends each stream's tokens to the ingress this many at a time, the first at "
+                        "once (vLLM's --stream-interval; default 1): fewer Ray messages, burstier streaming")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class ClusterSettings:
     ray_address: str | None
     router_max_imbalance: int
     request_router: str = "prefix-affinity"
+    stream_interval: int = 1
 
     @property
     def cpus_needed(self) -> float:
@@ -70,8 +74,10 @@ def from_args(args: argparse.Namespace, local_cpu_check: bool = True) -> Cluster
     `local_cpu_check`: a local Ray instance must have the CPUs the replicas reserve (off inside a
     cluster, whose autoscaler may add nodes)."""
     if not wants_cluster(args):
-        if args.ray_address is not None or args.replica_gpus is not None:
-            flag = "--ray-address" if args.ray_address is not None else "--replica-gpus"
+        given = [flag for flag, value in (("--ray-address", args.ray_address), ("--replica-gpus", args.replica_gpus),
+                                          ("--stream-interval", args.stream_interval)) if value is not None]
+        if given:
+            flag = given[0]
             raise BriskError(f"{flag} applies to Ray Serve only; add --replicas N (or --min-replicas/--max-replicas)")
         return None
     replicas, low, high = args.replicas, args.min_replicas, args.max_replicas
@@ -103,8 +109,11 @@ def from_args(args: argparse.Namespace, local_cpu_check: bool = True) -> Cluster
         raise BriskError(f"--replica-gpus must be >= 0, got {gpus}")
     if args.router_max_imbalance < 0:
         raise BriskError(f"--router-max-imbalance must be >= 0, got {args.router_max_imbalance}")
+    interval = 1 if args.stream_interval is None else args.stream_interval
+    if interval < 1:
+        raise BriskError(f"--stream-interval must be >= 1 (tokens per message), got {interval}")
     settings = ClusterSettings(replicas, low, high, autoscale, args.target_ongoing_requests, args.replica_cpus,
-                               gpus, args.ray_address, args.router_max_imbalance, args.request_router)
+                               gpus, args.ray_address, args.router_max_imbalance, args.request_router, interval)
     if settings.ray_address is None and local_cpu_check:
         cores = os.cpu_count() or 1
         if settings.cpus_needed > cores:

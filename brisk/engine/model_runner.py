@@ -61,7 +61,7 @@ class ModelRunner:
         drafted tokens: the tokens each request emits after verification)."""
         input_ids, positions, meta, sample_rows, sample_requests, drafts = self._prepare(chunks)
         attention = self.attention(self.kv, meta, self.scale)
-        if self.decode_stack is not None and not meta.prefills:
+        if self.decode_stack is not None and not meta.prefills and meta.num_decodes:
             attention.decode_stack = functools.partial(self.decode_stack, meta=meta)
         hidden = self.model(input_ids, positions, attention)
         if not sample_requests:

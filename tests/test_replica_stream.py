@@ -1,0 +1,53 @@
+"""A replica's stream to the ingress (brisk.cluster.replica.EngineReplica.generate), run directly on
+a real engine outside Ray: with --stream-interval N every message after the first token carries at
+least N new tokens (except the last), nothing is lost or reordered, and the default sends one
+message per engine step. (The two runs are not compared token for token: the second one reuses the
+first one's cached prompt, and with quantized weights that can change a greedy token; RESULTS.md.)"""
+
+import asyncio
+
+import pytest
+
+from brisk.cli import build_parser
+from brisk.engine.sampling_params import SamplingParams
+
+pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def replica(brisk_cache):
+    from brisk.cluster.replica import EngineReplica
+
+    args = build_parser().parse_args(["serve", "smollm2-135m-instruct", "--replicas", "1"])
+    made = EngineReplica(vars(args), max_model_len=2048, chat_template=None)
+    yield made
+    made.engine.shutdown()
+
+
+def _messages(replica, interval, prompt, tokens):
+    replica.stream_interval = interval
+
+    async def collect():
+        got = []
+        async for item in replica.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+                                           request_id=f"interval-{interval}"):
+            got.append(item)
+        return got
+
+    return asyncio.run(collect())
+
+
+def test_stream_interval_batches_tokens_without_losing_any(replica):
+    prompt = replica.engine.tokenizer.encode_chat([{"role": "user", "content": "Tell me about owls."}])
+    one = _messages(replica, 1, prompt, 21)
+    four = _messages(replica, 4, prompt, 21)
+    for messages in (one, four):
+        assert messages[0] == ("accepted",)
+        outputs = [o for batch in messages[1:] for o in batch]
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+        deltas = [t for o in outputs for t in o.delta_token_ids]
+        assert deltas == outputs[-1].token_ids and len(deltas) == 21  # every token, in order
+    sizes = [sum(len(o.delta_token_ids) for o in batch) for batch in four[1:]]
+    assert sizes[0] == 1  # the first token goes at once (time to first token unchanged)
+    assert all(size >= 4 for size in sizes[1:-1]) and len(four) < len(one)
+    assert len(one) - 1 >= 15  # interval 1: about one message per step (a few steps may coalesce)
