@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.engine.request import Request
+from brisk.engine.sample_rows import sample_rows
 from brisk.engine.spec_decode.verify import verify_greedy, verify_sampled
 from brisk.structured.bitmask import GrammarMasker
 
@@ -76,10 +77,9 @@ class Sampler:
                 token_ids[greedy] = logits[greedy].argmax(dim=-1)
         num_emitted = None
         if drafts is None:
-            for i, request in enumerate(requests):
-                if not request.params.greedy:
-                    probs = filtered_probs(logits[i], request)
-                    token_ids[i] = torch.multinomial(probs, 1, generator=self.generator_of(request))[0]
+            sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+            if sampled:
+                self._sample(logits, token_ids, [requests[i] for i in sampled], sampled)
         else:
             num_emitted = self._verify(logits, token_ids, requests, drafts)
         out = SamplerOutput(token_ids, None, None, None, num_rows, num_emitted)
@@ -89,6 +89,23 @@ class Sampler:
             out.logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]
             out.top_logprobs, out.top_ids = logprobs_all.topk(max(num_top, 1), dim=-1)
         return out
+
+    def _sample(self, logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        """Sample `rows` (not greedy) together (brisk.engine.sample_rows): one uniform per row, from
+        the request's own generator when it has a seed, else one draw for all from the shared one."""
+        uniforms = torch.empty(len(rows), device=logits.device)
+        shared = [j for j, r in enumerate(requests) if r.params.seed is None]
+        if shared:
+            uniforms[shared] = torch.rand(len(shared), generator=self.generator, device=logits.device)
+        for j, request in enumerate(requests):
+            if request.params.seed is not None:
+                uniforms[j] = torch.rand(1, generator=self.generator_of(request), device=logits.device)[0]
+        index = torch.tensor(rows, device=logits.device) if len(rows) < logits.shape[0] else None
+        # sample_rows works in place: on the logits themselves when every row samples (nothing reads
+        # them after this step), else on a copy of the sampled rows
+        chosen = logits if index is None else logits[index]
+        tokens = sample_rows(chosen, [r.params for r in requests], 1.0 - uniforms)
+        token_ids[slice(None) if index is None else index] = tokens
 
     def _verify(self, logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request],
                 drafts: list[list[int]]) -> list[int]:
