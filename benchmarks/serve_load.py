@@ -1,11 +1,12 @@
 """Serving load: a streaming client at fixed concurrency against `brisk serve` (started
 here, timed from process start to /ready) or any OpenAI-compatible --url.
 
-Short chat prompts, 64-token replies (ignore_eos), greedy; metric definitions as in
-DESIGN.md (brisk.bench.metrics). Prints a markdown table for benchmarks/RESULTS.md.
+Short chat prompts, 64-token replies (ignore_eos), greedy, or with `--sampling chat` what chat
+clients send (temperature 0.7, top_p 0.9, top_k 50); metric definitions as in DESIGN.md
+(brisk.bench.metrics). Prints a markdown table for benchmarks/RESULTS.md.
 
     .venv/bin/python benchmarks/serve_load.py [--concurrency 1,16,64] [--url URL --model M]
-        [--requests-per-stream 2] [-- extra brisk serve flags]
+        [--requests-per-stream 2] [--sampling greedy|chat] [-- extra brisk serve flags]
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ TOPICS = ["rivers", "volcanoes", "bread", "chess", "the moon", "bees", "trains",
           "owls", "bridges", "deserts", "clocks", "whales", "paper"]
 
 
-def workload(n: int, max_tokens: int, offset: int = 0) -> list[BenchRequest]:
+SAMPLING = {"greedy": {"temperature": 0}, "chat": {"temperature": 0.7, "top_p": 0.9, "top_k": 50}}
+
+
+def workload(n: int, max_tokens: int, offset: int = 0, sampling: str = "greedy") -> list[BenchRequest]:
     return [BenchRequest(messages=[{"role": "user", "content": f"Tell me about {TOPICS[(i + offset) % 16]} "
                                                                f"(#{i + offset})."}],
-                         max_tokens=max_tokens, extra={"ignore_eos": True, "temperature": 0})
+                         max_tokens=max_tokens, extra={"ignore_eos": True, **SAMPLING[sampling]})
             for i in range(n)]
 
 
@@ -66,6 +70,7 @@ def main() -> None:
     parser.add_argument("--url", default=None)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--label", default="brisk")
+    parser.add_argument("--sampling", default="greedy", choices=list(SAMPLING))
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     proc, ready_s = None, None
@@ -81,7 +86,7 @@ def main() -> None:
         for c in (int(x) for x in args.concurrency.split(",")):
             n = max(args.min_requests, c * args.requests_per_stream)
             monitor = LoopLagMonitor()
-            records = asyncio.run(run_concurrency(url, args.model, workload(n, args.max_tokens, offset=c), c,
+            records = asyncio.run(run_concurrency(url, args.model, workload(n, args.max_tokens, offset=c, sampling=args.sampling), c,
                                                   monitor=monitor))
             s = summarize(records)
             print(f"| {c} | {n} | {s.output_throughput:.1f} | {s.ttft.median * 1e3:.0f} ms | "
