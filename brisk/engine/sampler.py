@@ -56,11 +56,13 @@ class Sampler:
         drafted token's logits), verified here (spec_decode.verify)."""
         num_rows = [1 + len(d) for d in drafts] if drafts else None
         row_requests = requests if drafts is None else [r for r, n in zip(requests, num_rows) for _ in range(n)]
-        for i, request in enumerate(row_requests):
-            if request.params.needs_penalties:  # never with a draft (spec_decode.drafter.can_speculate)
-                _apply_penalties(logits[i], request)
-            if request.params.logit_bias:
-                _apply_logit_bias(logits[i], request.params.logit_bias)
+        # penalties: never with a draft (spec_decode.drafter.can_speculate)
+        penalized = [i for i, r in enumerate(row_requests) if r.params.needs_penalties]
+        if penalized:
+            apply_penalties(logits, penalized, [row_requests[i] for i in penalized])
+        biased = [i for i, r in enumerate(row_requests) if r.params.logit_bias]
+        if biased:
+            apply_logit_bias(logits, biased, [row_requests[i].params.logit_bias for i in biased])
         constrained = [i for i, r in enumerate(row_requests) if r.grammar is not None]
         if constrained:  # only these rows pay for a mask; the others' logits are untouched
             self.masker.apply(logits, constrained, [row_requests[i].grammar for i in constrained])
@@ -128,26 +130,50 @@ class Sampler:
         return num_emitted
 
 
-def _apply_penalties(row: torch.Tensor, request: Request) -> None:
-    """In place on one row of logits. Repetition (HF/CTRL semantics) over prompt and output;
-    presence/frequency (OpenAI semantics) over the output."""
-    p = request.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-        ids, counts = torch.tensor(request.output_token_ids, device=row.device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    # a repetition penalty near 0 divides logits into +-inf (and inf - inf is NaN): keep the row
+def _flat(rows: list[int], id_lists: list, vocab: int, device) -> torch.Tensor:
+    """Positions row * vocab + id in the flattened [rows, vocab] logits, for every id of each row."""
+    flat = [row * vocab + t for row, ids in zip(rows, id_lists) for t in ids]
+    return torch.tensor(flat, dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+    """In place on `rows` of logits [R, V] (contiguous), all rows at once. Repetition (HF/CTRL semantics) over prompt
+    and output: a seen token's logit is divided by the penalty if positive, else multiplied.
+    Presence/frequency (OpenAI semantics) over the output: minus frequency x count + presence."""
+    vocab = logits.shape[1]
+    device = logits.device
+    flat_logits = logits.view(-1)
+    repeat = [(row, r) for row, r in zip(rows, requests) if r.params.repetition_penalty != 1.0]
+    if repeat:
+        seen = _flat([row for row, _ in repeat], [set(r.all_token_ids) for _, r in repeat], vocab, device)
+        penalty = torch.tensor([r.params.repetition_penalty for _, r in repeat], dtype=logits.dtype, device=device)
+        per_id = penalty.repeat_interleave(torch.tensor([len(set(r.all_token_ids)) for _, r in repeat],
+                                                        device=device))
+        values = flat_logits[seen]
+        flat_logits[seen] = torch.where(values > 0, values / per_id, values * per_id)
+    counted = [(row, r) for row, r in zip(rows, requests)
+               if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+    if counted:
+        ids = _flat([row for row, _ in counted], [r.output_token_ids for _, r in counted], vocab, device)
+        unique, counts = ids.unique(return_counts=True)
+        row_of = unique // vocab
+        frequency = torch.zeros(logits.shape[0], dtype=logits.dtype, device=device)
+        presence = torch.zeros_like(frequency)
+        for row, r in counted:
+            frequency[row], presence[row] = r.params.frequency_penalty, r.params.presence_penalty
+        flat_logits[unique] -= frequency[row_of] * counts.to(logits.dtype) + presence[row_of]
+    # a repetition penalty near 0 divides logits into +-inf (and inf - inf is NaN): keep the rows
     # finite so argmax, log_softmax and the JSON of logprobs stay well defined
-    big = torch.finfo(row.dtype).max / 4
-    row.nan_to_num_(nan=-big, posinf=big, neginf=-big)
+    index = torch.tensor(rows, device=device)
+    big = torch.finfo(logits.dtype).max / 4
+    logits[index] = logits[index].nan_to_num_(nan=-big, posinf=big, neginf=-big)
 
 
-def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
-    ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
-    row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[dict[int, float]]) -> None:
+    """In place: each row's {token id: bias} added to its logits."""
+    ids = _flat(rows, [list(b) for b in biases], logits.shape[1], logits.device)
+    values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype, device=logits.device)
+    logits.view(-1).index_add_(0, ids, values)
 
 
 def filtered_probs(row: torch.Tensor, request: Request) -> torch.Tensor:
