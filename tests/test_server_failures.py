@@ -326,7 +326,8 @@ def test_priority_only_when_the_operator_allows_it(demo, allow):
                     r = await http.post("/v1/chat/completions", json=body)
                     order.append((name, r.status_code))
 
-                blocker = http.post("/v1/chat/completions", json={**LONG, "max_tokens": 60})
+                # long enough to still be running when both arrive, however fast the engine decodes
+                blocker = http.post("/v1/chat/completions", json={**LONG, "max_tokens": 300})
                 await asyncio.gather(blocker, ask("first-come", 0, 0.3), ask("urgent", -5, 0.6))
             return order
 
