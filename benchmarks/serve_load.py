@@ -86,8 +86,8 @@ def main() -> None:
         for c in (int(x) for x in args.concurrency.split(",")):
             n = max(args.min_requests, c * args.requests_per_stream)
             monitor = LoopLagMonitor()
-            records = asyncio.run(run_concurrency(url, args.model, workload(n, args.max_tokens, offset=c, sampling=args.sampling), c,
-                                                  monitor=monitor))
+            requests = workload(n, args.max_tokens, offset=c, sampling=args.sampling)
+            records = asyncio.run(run_concurrency(url, args.model, requests, c, monitor=monitor))
             s = summarize(records)
             print(f"| {c} | {n} | {s.output_throughput:.1f} | {s.ttft.median * 1e3:.0f} ms | "
                   f"{s.ttft.p99 * 1e3:.0f} ms | {s.itl.median * 1e3:.1f} ms | {s.itl.p99 * 1e3:.1f} ms | "

@@ -46,7 +46,8 @@ def test_penalties_match_transformers_and_openai_row_by_row():
 def test_a_repetition_penalty_near_zero_keeps_rows_finite():
     logits = torch.tensor([[5.0, -5.0, 1.0, 0.0]])
     apply_penalties(logits, [0], [_request(0, [0, 1], [], repetition_penalty=1e-45)])
-    assert torch.isfinite(logits).all() and logits[0, 0] > 1e30 and -1e-40 < logits[0, 1] <= 0  # 5 / 1e-45 = inf, clamped
+    # 5 / 1e-45 is inf, clamped finite; -5 * 1e-45 is a tiny negative number
+    assert torch.isfinite(logits).all() and logits[0, 0] > 1e30 and -1e-40 < logits[0, 1] <= 0
 
 
 def test_logit_bias_adds_each_rows_own_biases():

@@ -137,8 +137,9 @@ def _flat(rows: list[int], id_lists: list, vocab: int, device) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
-    """In place on `rows` of logits [R, V] (contiguous), all rows at once. Repetition (HF/CTRL semantics) over prompt
-    and output: a seen token's logit is divided by the penalty if positive, else multiplied.
+    """In place on `rows` of logits [R, V] (contiguous), all rows at once. Repetition (HF/CTRL
+    semantics) over prompt and output: a seen token's logit is divided by the penalty if positive,
+    else multiplied.
     Presence/frequency (OpenAI semantics) over the output: minus frequency x count + presence."""
     vocab = logits.shape[1]
     device = logits.device
