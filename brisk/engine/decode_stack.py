@@ -80,6 +80,7 @@ class DecodeStack:
     hidden states; `residual` ends as the residual stream (as on the Python path)."""
 
     def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, layers: list[_Layer], dims: _Dims):
+        # the model is held so that the weights the layer table points at outlive this object
         self._lib, self._model = lib, model
         self._layers = (_Layer * len(layers))(*layers)
         self._dims = dims
