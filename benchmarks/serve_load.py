@@ -21,7 +21,8 @@ import time
 
 import httpx
 
-from brisk.bench.client import BenchRequest, LoopLagMonitor, run_concurrency
+from brisk.bench.client import BenchRequest, run_concurrency
+from brisk.loop_lag import LoopLagMonitor
 from brisk.bench.metrics import summarize
 
 TOPICS = ["rivers", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "jazz", "glaciers", "tea",

@@ -4,6 +4,7 @@ dashboard staying in step with what the server exports."""
 import asyncio
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -113,8 +114,10 @@ def test_speculative_decoding_is_counted(workload):
 def test_a_scrape_resets_nothing(workload):
     _, _, _, _, first, second = workload
     counters = {k: v for k, v in first.items() if k[0].endswith(("_total", "_count", "_sum", "_bucket"))
-                and ("route", "/metrics") not in k[1]}  # the scrape itself is counted
+                and ("route", "/metrics") not in k[1]  # the scrape itself is counted
+                and not k[0].startswith("brisk:event_loop_lag_seconds")}  # sampled 20 times a second
     assert counters and all(second[k] == v for k, v in counters.items())
+    assert all(second[k] >= v for k, v in first.items() if k[0].startswith("brisk:event_loop_lag_seconds_count"))
 
 
 def test_every_exported_metric_is_documented_and_vice_versa(workload):
@@ -218,3 +221,32 @@ def test_engine_stats_of_several_replicas_combine_into_one_pool():
     assert both.kv_internal_fragmentation == (0.1 * 90 + 0.5 * 10) / 100
     assert (both.spec_draft_tokens, both.spec_acceptance_lengths) == (8, (1, 2, 1))
     assert EngineStats.combine([]).kv_blocks_total == 0
+
+
+def test_a_blocked_event_loop_shows_in_delivery_and_lag_histograms(demo):
+    """Tokens the engine produced while the server's event loop was blocked reach the socket late, and
+    the histograms say by how much: brisk:token_delivery_seconds measures from the end of the engine
+    step (not from when the loop got round to it), and brisk:event_loop_lag_seconds sees the stall."""
+    block_s = 0.4
+    with serve_engine(make_engine(demo)) as live:
+        body = {"messages": CHAT, "max_tokens": 80, "ignore_eos": True, "temperature": 0, "stream": True}
+        chunks = 0
+        with live.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if chunks == 2:  # streaming has begun: stall the loop while the engine keeps stepping
+                        live.state.loop.call_soon_threadsafe(time.sleep, block_s)
+        with live.client() as http:
+            after = samples(http.get("/metrics").text)
+    slow = 0.2  # a bucket bound below the stall
+    for stage in ("dequeued", "written"):
+        total = value(after, "brisk:token_delivery_seconds_count", stage=stage)
+        assert total >= 40, stage  # one observation per engine output of the stream
+        late = total - value(after, "brisk:token_delivery_seconds_bucket", stage=stage, le=str(slow))
+        assert late >= 1, f"{stage}: no output was delivered later than {slow} s despite a {block_s} s stall"
+        assert value(after, "brisk:token_delivery_seconds_sum", stage=stage) >= block_s / 2
+    lag_total = value(after, "brisk:event_loop_lag_seconds_count")
+    assert lag_total >= 1
+    assert lag_total - value(after, "brisk:event_loop_lag_seconds_bucket", le=str(slow)) >= 1

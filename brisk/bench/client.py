@@ -13,6 +13,7 @@ from typing import Any, Callable
 import httpx
 
 from brisk.bench.metrics import RequestRecord
+from brisk.loop_lag import LoopLagMonitor
 
 
 @dataclass
@@ -94,35 +95,6 @@ def error_message(text: str) -> str:
         return json.loads(text)["error"]["message"][:200]
     except (ValueError, KeyError, TypeError):
         return text[:200]
-
-
-class LoopLagMonitor:
-    """Measures how late the client's own event loop wakes up; large lag = the client is the bottleneck."""
-
-    def __init__(self, interval_s: float = 0.01):
-        self.interval_s = interval_s
-        self.lags_s: list[float] = []
-        self._task: asyncio.Task | None = None
-
-    async def _run(self) -> None:
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(self.interval_s)
-            self.lags_s.append(max(0.0, time.perf_counter() - start - self.interval_s))
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    @property
-    def p99_ms(self) -> float:
-        if not self.lags_s:
-            return 0.0
-        ordered = sorted(self.lags_s)
-        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
 
 
 async def run_concurrency(base_url: str, model: str, requests: list[BenchRequest], concurrency: int,

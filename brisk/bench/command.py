@@ -10,7 +10,8 @@ import time
 import httpx
 import numpy as np
 
-from brisk.bench.client import BenchRequest, LoopLagMonitor, run_schedule
+from brisk.bench.client import BenchRequest, run_schedule
+from brisk.loop_lag import LoopLagMonitor
 from brisk.bench.metrics import SLO, summarize
 from brisk.bench.report import RunResult, console_table, write_csv, write_json, write_plots
 from brisk.bench import workloads as wl

@@ -137,6 +137,7 @@ class RemoteEngine:
                                                     code="engine_dead", headers={"Retry-After": "1"})))
                     return
                 for out in item:
+                    out.produced_at = 0.0  # the replica's clock, maybe another host's: not comparable
                     queue.put_nowait((tag, out))
         except asyncio.CancelledError:
             gen.cancel()  # aborts the request on its replica

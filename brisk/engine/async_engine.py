@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator
 
 from brisk.engine.engine import LLMEngine
@@ -176,7 +177,9 @@ class AsyncLLMEngine:
         """Hand a step's outputs to their event loops: one wake-up per loop per step, not one per
         output (each `call_soon_threadsafe` writes to the loop's self-pipe)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any, RequestOutput]]] = {}
+        now = time.monotonic()
         for out in outputs:
+            out.produced_at = now
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue

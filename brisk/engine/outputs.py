@@ -27,6 +27,9 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)  # (*) phase timings
     num_output_tokens: int = 0  # output tokens so far (len(token_ids) when cumulative or final)
     delta_logprobs: list[dict[str, Any]] | None = None  # the logprobs of delta_token_ids, when asked for
+    # time.monotonic() when the engine thread handed the step's outputs to the event loop (0: not
+    # known, e.g. made in another process); the server measures its delivery delay from it
+    produced_at: float = 0.0
 
 
 def stop_window(stops: list[str]) -> int:

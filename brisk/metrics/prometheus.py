@@ -18,6 +18,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
                     3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# the event loop's own delays: sub-millisecond when it keeps up, the step time when it does not
+_LOOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _PHASE_HISTOGRAMS = {  # RequestOutput.metrics key -> (metric name, help)
     "ttft_ms": ("brisk:time_to_first_token_seconds", "Arrival to first generated token."),
     "queue_ms": ("brisk:request_queue_time_seconds", "Arrival to first scheduled (waiting in the queue)."),
@@ -44,6 +46,16 @@ class ServerMetrics:
                        for key, (name, doc) in _PHASE_HISTOGRAMS.items()}
         self.itl = Histogram("brisk:inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("brisk:event_loop_lag_seconds",
+                                  "How late the server's event loop woke for a timer (a busy or starved loop "
+                                  "delays every stream).", buckets=_LOOP_BUCKETS, registry=r)
+        self.delivery = Histogram("brisk:token_delivery_seconds",
+                                  "Engine step end to the step's output taken by its HTTP request on the event "
+                                  "loop (stage=dequeued) and to its SSE chunk handed to the socket "
+                                  "(stage=written); single-process serve only.", ["stage"],
+                                  buckets=_LOOP_BUCKETS, registry=r)
+        self.delivered = self.delivery.labels("dequeued")
+        self.written = self.delivery.labels("written")
         self.load_phase = Histogram("brisk:model_load_phase_seconds", "Model load time by phase.", ["phase"],
                                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
                                     registry=r)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from brisk.engine.errors import EngineDeadError
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import ParamError, SamplingParams
+from brisk.loop_lag import LoopLagMonitor
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextLengthError, GuardResult, combined_headers, guard_chat, guard_prompt
 from brisk.server.errors import APIError, install_handlers
@@ -39,6 +40,7 @@ from brisk.tokenizer import ChatTemplateError
 log = logging.getLogger("brisk.server")
 
 _DISCONNECT_POLL_S = 0.2
+_LOOP_LAG_INTERVAL_S = 0.05  # brisk:event_loop_lag_seconds samples the loop 20 times a second
 
 
 class ClientDisconnected(Exception):
@@ -59,10 +61,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.start_loading()
+        lag = LoopLagMonitor(_LOOP_LAG_INTERVAL_S, state.metrics.loop_lag.observe)
+        lag.start()
         stats = None
         if state.config.log_stats_interval_s:
             stats = asyncio.create_task(_log_engine_stats(state, state.config.log_stats_interval_s))
         yield
+        lag.stop()
         if stats is not None:
             stats.cancel()
         if state.engine is not None:
@@ -450,6 +455,8 @@ class _Run:
             if isinstance(item, BaseException):  # the engine already dropped this request
                 self.streams[index].mark_done()
                 raise item
+            if item.produced_at:
+                self.state.metrics.delivered.observe(time.monotonic() - item.produced_at)
             self.state.metrics.generation_tokens.inc(len(item.delta_token_ids))
             self.generated[index] = self.generated.get(index, 0) + len(item.delta_token_ids)
             if item.finished:
@@ -477,8 +484,11 @@ class _Run:
             for chunk in self.fmt.first_chunks(self.jobs, self.guards):
                 yield _sse(chunk)
             async for index, out in self.outputs():
-                for chunk in self.fmt.chunks(index, out, self.body):
+                chunks = self.fmt.chunks(index, out, self.body)
+                for chunk in chunks:
                     yield _sse(chunk)
+                if chunks and out.produced_at:  # resumed: the server wrote the chunk to the socket
+                    self.state.metrics.written.observe(time.monotonic() - out.produced_at)
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
                 yield _sse(self.fmt.usage_chunk(self._usage()))
             yield "data: [DONE]\n\n"
