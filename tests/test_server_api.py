@@ -214,3 +214,22 @@ def test_request_log_feeds_kv_plan(demo, tmp_path):
     trace = loaded.requests
     assert loaded.skipped == 0 and [r.output_tokens for r in trace] == [3, 5] and trace[0].arrival_s == 0.0
     assert [r.max_tokens for r in trace] == [3, 5] and rows[0]["trace_version"] == 1
+
+
+def test_cache_salt_separates_prefix_cache_tenants(client):
+    """vLLM's cache_salt: a request reuses cached prompt blocks only when it carries the same salt
+    (no salt is a salt of its own), so one tenant's prompt cannot be probed by another's timing."""
+    # a long, unique prompt: several full blocks beyond anything the other tests cached
+    messages = [{"role": "user", "content": "Salted prompt: " + " ".join(f"word{i}" for i in range(120))}]
+
+    def cached(salt: str | None) -> int:
+        extra = {"ignore_eos": True} if salt is None else {"ignore_eos": True, "cache_salt": salt}
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
+                                              extra_body=extra)
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 100  # same salt: the prompt's full blocks are reused
+    assert cached("tenant-b") == 0  # another salt sees nothing
+    assert cached(None) == 0  # nor does an unsalted request
+    assert cached(None) >= 100

@@ -424,7 +424,8 @@ class _Run:
             try:
                 priority = self.body.priority if self.state.config.allow_priority else 0
                 self.streams[index] = await self.engine.add(ids, params, request_id=f"{self.fmt.id}-{index}",
-                                                            priority=priority, sink=(self.queue, index))
+                                                            priority=priority, cache_salt=self.body.cache_salt,
+                                                            sink=(self.queue, index))
             except Exception as e:
                 for stream in self.streams.values():
                     stream.close()

@@ -248,6 +248,9 @@ class _Sampling(_Request):
     priority: Int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM: mixed into every prefix-cache block hash of this request, so it shares cached KV only with
+    # requests carrying the same salt (tenants cannot probe each other's prompts by timing)
+    cache_salt: NonEmptyText | None = None
     # brisk: false opts this request out of speculative decoding (same output distribution, one
     # token per step)
     speculative: bool = True
