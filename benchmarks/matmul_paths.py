@@ -1,6 +1,7 @@
 """Per-shape matmul paths for one decoder step's linears: torch `F.linear`, numpy (OpenBLAS),
 oneDNN with float32 weights packed once (`brisk.models.linear`), and brisk's quantized kernels
-(`brisk.kernels`: int4 and int8 blocks of 32, int8 activation blocks), plus the quantized
+(`brisk.kernels`: int4 and int8 blocks of 32, int8 activation blocks; int4 in the row layout
+and in the tiled layout brisk's conversion stores linears in), plus the quantized
 weights dequantized to float32 per call and run through `F.linear` (the alternative for large
 row counts).
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from brisk import kernels
 from brisk.loading.loader import load
 from brisk.models.linear import PACK_ROWS_HINT
-from brisk.models.quant import quantize_int4, quantize_int8
+from brisk.models.quant import quantize_int4, quantize_int8, tile
 
 
 def bench(fn, runs=5):
@@ -42,13 +43,14 @@ def main():
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
     int4 = [quantize_int4(w) for w in weights]
     int8 = [quantize_int8(w) for w in weights]
+    int4_tiled = [tile(q) if q["qweight"].shape[0] % kernels.TILE_ROWS == 0 else q for q in int4]
     nbytes = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of fp32 weights "
           f"({sum(q['qweight'].numel() for q in int4) / 1e6 * 1.25:.0f} MB as int4), torch threads "
           f"{torch.get_num_threads()}, kernels {kernels.isa()}")
     print("| rows | F.linear ms | numpy ms | oneDNN packed fp32 ms | int8 kernel ms | int4 kernel ms "
-          "| int4 dequantized + F.linear ms |")
-    print("|---|---|---|---|---|---|---|")
+          "| int4 tiled kernel ms | int4 dequantized + F.linear ms |")
+    print("|---|---|---|---|---|---|---|---|")
 
     def quant(xs, blocks, bits):
         return [kernels.quant_matmul(xs[w.shape[1]], q["qweight"], q["scales"], q.get("mins"), bits)
@@ -68,6 +70,7 @@ def main():
                                           for w, p in zip(weights, packed)], runs),
                      bench(lambda xs=xs: quant(xs, int8, 8), runs),
                      bench(lambda xs=xs: quant(xs, int4, 4), runs),
+                     bench(lambda xs=xs: quant(xs, int4_tiled, 4), runs),
                      bench(lambda xs=xs: dequant_linear(xs), runs)]
             print(f"| {m} | " + " | ".join(f"{t * 1e3:.1f}" for t in cells) + " |", flush=True)
 

@@ -87,14 +87,60 @@ def test_kernel_error_against_float_activations_is_within_half_an_int8_step(isa,
 
 
 @pytest.mark.parametrize("bits,has_mins", FORMATS)
-def test_rows_do_not_depend_on_the_batch(isa, bits, has_mins):
-    """Greedy batch invariance needs this: a row's output is the same alone or among others."""
-    qweight, scales, mins = random_blocks(bits, has_mins, 40, 576)  # 18 blocks: groups of 8 and a tail
-    x = torch.randn(19, 576)
+@pytest.mark.parametrize("n,k", [(40, 576), (37, 96)])  # 18 blocks: groups of 8 and a tail; 3 (odd), 37 rows
+def test_rows_do_not_depend_on_the_batch(isa, bits, has_mins, n, k):
+    """Greedy batch invariance needs this: a row's output is the same alone or among others. (The
+    AVX2 int4 kernel takes one path below 4 rows and another from 4 on: they must agree bit for bit.)"""
+    qweight, scales, mins = random_blocks(bits, has_mins, n, k)
+    x = torch.randn(19, k)
     together = kernels.quant_matmul(x, qweight, scales, mins, bits)
     for r in (0, 3, 4, 17, 18):
         for start in (r, max(0, r - 1)):  # alone, and in a tile of two
             part = kernels.quant_matmul(x[start:r + 1].contiguous(), qweight, scales, mins, bits)
+            assert torch.equal(part[-1], together[r])
+
+
+@pytest.mark.parametrize("has_mins", [False, True])
+def test_tiling_moves_bytes_not_values(has_mins):
+    qweight, scales, mins = random_blocks(4, has_mins, 48, 96)
+    tiled = kernels.tile_int4(qweight, scales, mins)
+    assert tiled[0].shape == (6, 3, 128) and tiled[1].shape == (6, 3, 8)
+    back = kernels.untile_int4(*tiled)
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+    assert (back[2] is None) if mins is None else torch.equal(back[2], mins)
+    assert torch.equal(kernels.dequantize(*tiled, 4), kernels.dequantize(qweight, scales, mins, 4))
+    # the layout itself, spelled out for one weight: row 8t+j, weight 32b + 4(v+4) + e is the high
+    # nibble of byte v*32 + 4j + e of tile t's block b
+    values = kernels.unpack_int4(qweight)  # [48, 96]
+    t, j, b, v, e = 3, 5, 2, 1, 2
+    assert int(tiled[0][t, b, v * 32 + 4 * j + e]) >> 4 == int(values[8 * t + j, 32 * b + 4 * (v + 4) + e])
+    assert int(tiled[0][t, b, v * 32 + 4 * j + e]) & 15 == int(values[8 * t + j, 32 * b + 4 * v + e])
+    assert float(tiled[1][t, b, j]) == float(scales[8 * t + j, b])
+
+
+@pytest.mark.parametrize("has_mins", [False, True])
+@pytest.mark.parametrize("k", [96, 512])
+def test_tiled_kernel_computes_the_row_layouts_weights(isa, has_mins, k):
+    """The tiled kernel against float64 math on the untiled weights (so tiling and kernel agree on
+    what each byte means), at every row count the engine batches."""
+    qweight, scales, mins = random_blocks(4, has_mins, 40, k, seed=3)
+    tiled = kernels.tile_int4(qweight, scales, mins)
+    for rows in (1, 2, 3, 4, 5, 8, 17, 64):
+        x = torch.randn(rows, k) * 3
+        out = kernels.quant_matmul(x, *tiled, 4)
+        ref = kernels.reference_matmul(x, qweight, scales, mins, 4)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("has_mins", [False, True])
+def test_tiled_rows_do_not_depend_on_the_batch(isa, has_mins):
+    qweight, scales, mins = random_blocks(4, has_mins, 48, 576)
+    tiled = kernels.tile_int4(qweight, scales, mins)
+    x = torch.randn(19, 576)
+    together = kernels.quant_matmul(x, *tiled, 4)
+    for r in (0, 3, 4, 17, 18):
+        for start in (r, max(0, r - 1), max(0, r - 5)):  # alone, in a pair, in a tile of 4 and a tail
+            part = kernels.quant_matmul(x[start:r + 1].contiguous(), *tiled, 4)
             assert torch.equal(part[-1], together[r])
 
 
@@ -208,6 +254,9 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
     q = torch.from_numpy(gguf_convert._unpermute(q.numpy(), SMALL.heads))
     k = torch.from_numpy(gguf_convert._unpermute(k.numpy(), SMALL.kv_heads))
     assert torch.equal(qkv.dequantized(), torch.cat([q, k, v]))
+    if qkv.fmt.bits == 4:  # int4 linears are stored tiled (the kernel's fast layout), embeddings by row
+        assert qkv.fmt.tiled and qkv.qweight.dim() == 3
+    assert not loaded.model.model.embed_tokens.fmt.tiled
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
     head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
     assert torch.equal(loaded.model.lm_head.dequantized(), _gguf_float(random_gguf, head_name))
@@ -256,6 +305,7 @@ def test_float_checkpoint_quantized_at_load(tmp_path, brisk_cache):
     for method, fmt in (("int8", "int8"), ("int4", "int4+min")):
         loaded = load(str(path), quantization=method, max_model_len=32, warmup=False)
         assert set(loaded.report.weight_formats.values()) == {fmt}
+        assert loaded.model.model.layers[0].mlp.down_proj.fmt.tiled == (method == "int4")
         assert "lm_head" in loaded.report.weight_formats and "embed_tokens" not in loaded.report.weight_formats
         got = _logits(loaded, ids)
         rel = float((got - reference).norm() / reference.norm())

@@ -31,7 +31,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _QuantWeight(ctypes.Structure):
-    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64)]
+    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64),
+                ("tiled", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -68,7 +69,7 @@ def _quant_weight(linear: torch.nn.Module) -> _QuantWeight | None:
     return _QuantWeight(linear.qweight.data_ptr(), linear.scales.data_ptr(),
                         None if linear.mins is None else linear.mins.data_ptr(),
                         None if linear.bias is None else linear.bias.data_ptr(),
-                        linear.fmt.bits, linear.out_features, linear.in_features)
+                        linear.fmt.bits, linear.out_features, linear.in_features, int(linear.fmt.tiled))
 
 
 def _f32_vector(t: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from brisk.kernels.build import SOURCES, build, source_tag
 log = logging.getLogger("brisk.kernels")
 
 QK = 32  # weights per quantization block
+TILE_ROWS = 8  # weight rows per tile of the tiled int4 layout
 PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
 _lib: ctypes.CDLL | None = None
@@ -43,7 +44,7 @@ def _fresh(path: Path) -> bool:
 def _bind(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.brisk_quant_matmul.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, i64, p, p, p, p]
+    lib.brisk_quant_matmul.argtypes = [p, p, p, p, ctypes.c_int, ctypes.c_int, i64, i64, i64, p, p, p, p]
     lib.brisk_quant_matmul.restype = None
     lib.brisk_kernels_isa.restype = ctypes.c_int
     lib.brisk_kernels_force_scalar.argtypes = [ctypes.c_int]
@@ -106,16 +107,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bits: int) -> torch.Tensor:
-    """x [M, K] float32 contiguous CPU -> [M, N] float32 with W given as quantized blocks."""
+    """x [M, K] float32 contiguous CPU -> [M, N] float32 with W given as quantized blocks (row
+    layout, or int4 tiled: 3-D tensors, see `tile_int4`)."""
     lib = library()
     if lib is None:
         return reference_matmul(x, qweight, scales, mins, bits)
     m, k = x.shape
-    n = scales.shape[0]
+    tiled = qweight.dim() == 3
+    n = scales.shape[0] * (TILE_ROWS if tiled else 1)
     xq, xd, xs = _scratch(m, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), bits, m, n, k,
-                           xq, xd, xs, out.data_ptr())
+    lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), bits, int(tiled), m, n,
+                           k, xq, xd, xs, out.data_ptr())
     return out
 
 
@@ -181,9 +184,50 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).view(n, half * 2)
 
 
+def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """int4 blocks in the row layout ([N, K/2], [N, K/32]) -> the tiled layout the kernel reads fastest
+    at every row count (quant_matmul.cpp, "int4 in tiles of 8 weight rows"): qweight [N/8, K/32, 128]
+    (per tile and block, 4 vectors of 8 rows x 4 bytes: low nibbles weights 4v..4v+3, high nibbles
+    4(v+4)..4(v+4)+3), scales and mins [N/8, K/32, 8]. N must be a multiple of 8. Bytes move, values
+    do not: `untile_int4` gives back the same tensors."""
+    n, half = qweight.shape
+    if n % TILE_ROWS:
+        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
+    nb = half * 2 // QK
+    # values [tile, row j, block, step s (weights 4s..4s+3), e]
+    q = unpack_int4(qweight).view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4)
+    q = q.permute(0, 2, 3, 1, 4)  # [tile, block, step, row, e]
+    packed = q[:, :, :4] | (q[:, :, 4:] << 4)  # [tile, block, v, row, e]
+    qt = packed.reshape(n // TILE_ROWS, nb, 128).contiguous()
+
+    def side(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.view(n // TILE_ROWS, TILE_ROWS, nb).transpose(1, 2).contiguous()
+
+    return qt, side(scales), side(mins)
+
+
+def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The tiled int4 layout -> the row layout (the inverse of `tile_int4`)."""
+    tiles, nb, _ = qweight.shape
+    n = tiles * TILE_ROWS
+    packed = qweight.view(tiles, nb, 4, TILE_ROWS, 4)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [tile, block, step, row, e]
+    values = q.permute(0, 3, 1, 2, 4).reshape(n, nb, QK)  # [row, block, 32 weights]
+    rows = (values[:, :, :QK // 2] | (values[:, :, QK // 2:] << 4)).reshape(n, nb * QK // 2)
+
+    def side(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.transpose(1, 2).reshape(n, nb)
+
+    return rows.contiguous(), side(scales), side(mins)
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Quantized blocks -> dense [N, K] weights (w = d * q + m; int4 without m: m = -8 d)."""
+    if qweight.dim() == 3:
+        qweight, scales, mins = untile_int4(qweight, scales, mins)
     q = unpack_int4(qweight) if bits == 4 else qweight
     n, k = q.shape
     d = scales.float().view(n, k // QK, 1)

@@ -14,7 +14,7 @@
 
 extern "C" {
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
-                        int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out);
+                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out);
 int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
                                  const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -38,6 +38,7 @@ struct QuantWeight {
     const uint16_t* m;  // null: no offsets
     const float* bias;  // null: no bias
     int64_t bits, n, k;
+    int64_t tiled;  // int4 in tiles of 8 rows (quant_matmul.cpp)
 };
 
 struct Layer {
@@ -62,7 +63,7 @@ struct Scratch {  // float32 buffers the caller allocates, sized for the step's 
 };
 
 void matmul(const QuantWeight& w, const float* x, int64_t rows, const Scratch& s, float* out) {
-    brisk_quant_matmul(x, w.q, w.d, w.m, (int)w.bits, rows, w.n, w.k, s.xq, s.xd, s.xs, out);
+    brisk_quant_matmul(x, w.q, w.d, w.m, (int)w.bits, (int)w.tiled, rows, w.n, w.k, s.xq, s.xd, s.xs, out);
     if (w.bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < w.n; i++) out[r * w.n + i] += w.bias[i];

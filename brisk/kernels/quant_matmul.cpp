@@ -10,6 +10,9 @@
 // llama.cpp does for its CPU dot products), so each block's dot product is integer
 // (AVX2 maddubs) and one float FMA: sum_j w_j x_j = d*dx*sum(q_j*xq_j) + m*dx*sum(xq_j).
 //
+// int4 also comes in a tiled layout of 8 weight rows (see "int4 in tiles of 8 weight rows" below),
+// which brisk's conversion writes for linear layers; embeddings keep the row layout.
+//
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py); threads come from OpenMP, the
 // same libgomp that PyTorch already loaded, so they share its thread team.
 // An AVX2 path is chosen at run time; other CPUs take the portable scalar loop.
@@ -50,6 +53,7 @@ struct Weights {
     const uint16_t* d;    // [N, K/32] float16 scales
     const uint16_t* m;    // [N, K/32] float16 offsets, or null
     int bits;             // 4 or 8
+    bool tiled;           // int4 in tiles of 8 rows (see "int4 in tiles of 8 weight rows" below)
 };
 
 struct Acts {
@@ -277,6 +281,83 @@ void dot_pairs_int4(const Weights& w, int64_t n, const Acts& a, int64_t r0, int6
     }
 }
 
+// ---------------------------------------------------------------- int4 in tiles of 8 weight rows
+//
+// The tiled int4 layout (`tiled`, int4 only, N a multiple of 8; brisk.kernels.tile_int4 writes it at
+// conversion): weight rows in tiles of NR = 8, and for tile t and block b 128 bytes at
+// q + (t * nb + b) * 128, four 32-byte vectors: vector v holds, for each row j of the tile, 4 bytes
+// at v*32 + 4j: low nibbles = the row's weights 4v..4v+3 of the block, high nibbles = its weights
+// 4(v+4)..4(v+4)+3. Scales and offsets: [N/8][nb][8] float16, the tile's 8 rows side by side.
+//
+// So the 8 rows' results sit side by side in one vector: one broadcast of 4 activation bytes and
+// one maddubs make 32 products for 8 rows, 8 of them summed in int16 cover a block (|sum| <=
+// 8*2*15*127 = 30480: no overflow) and one madd widens: 9 multiplies per 256 products against 12
+// in the row layout, no horizontal sums, and the tile's weights unpacked once for every activation
+// row (llama.cpp repacks Q4_0 into such 8-row layouts at load for the same reason). Each block then
+// takes, per activation row, acc = fma(tot, d8 * yd, acc); acc = fma(m8, ys, acc), d8/m8 the tile's
+// scales/offsets of that block (m = -8 d for Q4_0), yd the activation block's scale, ys = yd *
+// sum(xq): the same float sequence for every row count, so a row's result does not depend on the
+// batch.
+
+constexpr int NR = 8;
+
+template <int MT>
+__attribute__((target("avx2,fma,f16c")))
+void tile_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* wt = w.q + tile * nb * 128;
+    const uint16_t* dt = w.d + tile * nb * NR;
+    const uint16_t* mt = w.m ? w.m + tile * nb * NR : nullptr;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256 minus8 = _mm256_set1_ps(-8.f);
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i s16[MT];
+        for (int i = 0; i < MT; i++) s16[i] = _mm256_setzero_si256();
+        const int8_t* yb = a.q + r0 * K + b * QK;
+        for (int v = 0; v < 4; v++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(wt + b * 128 + v * 32));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int i = 0; i < MT; i++) {
+                int32_t y_lo, y_hi;
+                std::memcpy(&y_lo, yb + i * K + 4 * v, 4);
+                std::memcpy(&y_hi, yb + i * K + 4 * (v + 4), 4);
+                s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(y_lo)),
+                                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(y_hi))));
+            }
+        }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + b * NR)));
+        const __m256 m8 = mt ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mt + b * NR))) : _mm256_mul_ps(d8, minus8);
+        for (int i = 0; i < MT; i++) {
+            const __m256 tot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+            acc[i] = _mm256_fmadd_ps(tot, _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
+}
+
+// Weight row n of the tiled layout, one activation row, portable (same math as dot_scalar).
+float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+    const int64_t nb = K / QK, tile = n / NR, j = n % NR;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w.q + (tile * nb + b) * 128;
+        const int8_t* y = a.q + r * K + b * QK;
+        int isum = 0;
+        for (int v = 0; v < 4; v++)
+            for (int e = 0; e < 4; e++) {
+                const uint8_t byte = blk[v * 32 + j * 4 + e];
+                isum += (byte & 0x0F) * y[4 * v + e] + (byte >> 4) * y[4 * (v + 4) + e];
+            }
+        const float d = f16_to_f32(w.d[(tile * nb + b) * NR + j]);
+        const float m = w.m ? f16_to_f32(w.m[(tile * nb + b) * NR + j]) : -8.f * d;
+        acc += d * a.d[r * nb + b] * (float)isum + m * a.s[r * nb + b];
+    }
+    return acc;
+}
+
 // Rows r..r+MT-1 against weight rows [n_begin, n_end).
 template <int MT>
 __attribute__((target("avx2,fma,f16c")))
@@ -308,6 +389,17 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t n_end = std::min(N, (t + 1) * ROWS_PER_TASK);
         const int64_t n_begin = t * ROWS_PER_TASK;
+        if (w.tiled) {  // ROWS_PER_TASK == NR: one tile
+            if (avx2) {
+                int64_t r = 0;
+                for (; r + 4 <= M; r += 4) tile_rows<4>(w, t, a, r, K, out, N);
+                for (; r < M; r++) tile_rows<1>(w, t, a, r, K, out, N);
+            } else {
+                for (int64_t n = n_begin; n < n_end; n++)
+                    for (int64_t r = 0; r < M; r++) out[r * N + n] = dot_scalar_tiled(w, n, a, r, K);
+            }
+            continue;
+        }
         for (int64_t r = 0; r < M;) {
             const int64_t mt = std::min<int64_t>(M - r, MT);
             if (!avx2) {
@@ -343,9 +435,9 @@ extern "C" {
 
 // out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch buffers first.
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
-                        int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out) {
-    quantize_rows(x, M, K, xq, xd, xs, bits == 4 && has_avx2());
-    const Weights w{wq, wd, wm, bits};
+                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out) {
+    quantize_rows(x, M, K, xq, xd, xs, bits == 4 && !tiled && has_avx2());
+    const Weights w{wq, wd, wm, bits, tiled != 0};
     const Acts a{xq, xd, xs};
     matmul(w, a, M, N, K, out);
 }

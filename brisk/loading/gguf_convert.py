@@ -26,6 +26,7 @@ import os
 import shutil
 import struct
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,15 +34,15 @@ import numpy as np
 import torch
 
 from brisk.errors import ModelLoadError
-from brisk.kernels import QK
+from brisk.kernels import QK, TILE_ROWS
 from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64
 from brisk.loading.gguf_header import BRISK_LAYOUT, hf_config  # noqa: F401 (hf_config: callers import it here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
-from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4
+from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 2
+CONVERT_VERSION = 3
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -160,6 +161,8 @@ def stored_arrays(fmt: QuantFormat | None) -> list[tuple[str, str]]:
 def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> tuple[int, ...]:
     if suffix == "weight":
         return (rows, cols)
+    if fmt.tiled:
+        return (rows // TILE_ROWS, cols // QK, 128 if suffix == "qweight" else TILE_ROWS)
     if suffix == "qweight":
         return (rows, cols // 2 if fmt.bits == 4 else cols)
     return (rows, cols // QK)
@@ -236,20 +239,25 @@ class _Tensors:
 class _Group:
     """One output weight (possibly fused from several GGUF tensors), produced once for all its arrays."""
 
-    def __init__(self, tensors: _Tensors, parts: list[str]):
+    def __init__(self, tensors: _Tensors, parts: list[str], hf_name: str):
         self.tensors, self.parts = tensors, parts
         formats = [tensors.target_format(p) for p in parts]
         # NOTE: fused parts must share one format; mixed ones (e.g. Q4_K q/k with a Q6_K v)
         # are all stored as int8, the widest, so nothing loses precision it had.
-        self.fmt = formats[0] if all(f == formats[0] for f in formats) else QuantFormat(8, False)
+        fmt = formats[0] if all(f == formats[0] for f in formats) else QuantFormat(8, False)
         shapes = [tensors.shape(p) for p in parts]
         self.shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+        self.fmt = replace(fmt, tiled=True) if tileable(hf_name, fmt, self.shape[0]) else fmt
         self._arrays: dict[str, np.ndarray] | None = None
 
     def take(self, suffix: str) -> np.ndarray:
         if self._arrays is None:
-            loaded = [self.tensors.load_as(p, self.fmt) for p in self.parts]
+            plain = replace(self.fmt, tiled=False) if self.fmt else self.fmt
+            loaded = [self.tensors.load_as(p, plain) for p in self.parts]
             self._arrays = {k: np.concatenate([a[k] for a in loaded], axis=0) for k in loaded[0]}
+            if self.fmt is not None and self.fmt.tiled:
+                self._arrays = {k: v.numpy() for k, v in
+                                tile({k: torch.from_numpy(v) for k, v in self._arrays.items()}).items()}
         return self._arrays.pop(suffix)  # each array is written once; memory is freed as we go
 
 
@@ -274,7 +282,7 @@ def _plan(tensors: _Tensors, num_layers: int) -> list[tuple[str, str, tuple[int,
             groups.append((f"model.layers.{i}.{hf_part}", names))
     plan = []
     for hf_name, parts in groups:
-        group = _Group(tensors, parts)
+        group = _Group(tensors, parts, hf_name)
         base = hf_name.removesuffix(".weight")
         for suffix, dtype in stored_arrays(group.fmt):
             name = hf_name if suffix == "weight" else f"{base}.{suffix}"

@@ -135,7 +135,10 @@ def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str) -> None:
     for name in [n for n in tensors if quant.is_quantizable_weight(n)]:
         quant.check_quantizable(name, tuple(tensors[name].shape), method)
         base = name.removesuffix(".weight")
-        for suffix, t in quant.QUANTIZERS[method](tensors.pop(name)).items():
+        blocks = quant.QUANTIZERS[method](tensors.pop(name))
+        if method == "int4" and quant.tileable(name, quant.QuantFormat(4, True), blocks["qweight"].shape[0]):
+            blocks = quant.tile(blocks)
+        for suffix, t in blocks.items():
             tensors[f"{base}.{suffix}"] = t
 
 

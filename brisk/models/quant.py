@@ -5,7 +5,10 @@ A quantized linear `name` is stored as three tensors beside each other in the ch
 [N, K] for int8), `name.scales` (float16 [N, K/32]) and, for formats with offsets
 (GGUF Q4_1/Q4_K), `name.mins` (float16 [N, K/32]); a weight is `scale * q + min`
 (int4 without offsets: `scale * (q - 8)`, GGUF Q4_0). The checkpoint describes itself: the
-dtype of `qweight` gives the bit width, the presence of `mins` the offsets.
+dtype of `qweight` gives the bit width, the presence of `mins` the offsets. int4 linears whose
+rows fill tiles of 8 are stored tiled instead (3-D tensors: `qweight` [N/8, K/32, 128], `scales`
+and `mins` [N/8, K/32, 8]; `brisk.kernels.tile_int4`), the layout the kernel reads fastest at
+every row count; the number of dimensions tells the layout.
 
 The matmul runs brisk's compiled kernel (`brisk.kernels`) straight from those tensors, which
 on a warm start are views of the memory-mapped cache: nothing is unpacked or copied.
@@ -29,6 +32,9 @@ QUANT_SUFFIXES = ("qweight", "scales", "mins")
 class QuantFormat:
     bits: int  # 4 or 8
     has_mins: bool
+    # int4 only: stored in tiles of 8 rows (brisk.kernels.tile_int4), the layout the kernel reads
+    # fastest; brisk's conversion writes linears so, embeddings (looked up by row) in the row layout
+    tiled: bool = False
 
     @property
     def name(self) -> str:
@@ -43,7 +49,7 @@ class QuantFormat:
         qweight = tensors.get(f"{prefix}.qweight")
         if qweight is None:
             return None
-        return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors)
+        return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors, qweight.dim() == 3)
 
 
 class _Blocks(nn.Module):
@@ -55,11 +61,15 @@ class _Blocks(nn.Module):
             raise BriskError(f"a {rows}x{cols} weight cannot be quantized in blocks of {QK}: "
                              f"its {cols} input features are not a multiple of {QK}; use --quantization none")
         self.fmt = fmt
-        qshape = (rows, cols // 2) if fmt.bits == 4 else (rows, cols)
+        if fmt.tiled:
+            tiles, nb = rows // kernels.TILE_ROWS, cols // QK
+            qshape, sshape = (tiles, nb, 128), (tiles, nb, kernels.TILE_ROWS)
+        else:
+            qshape, sshape = ((rows, cols // 2) if fmt.bits == 4 else (rows, cols)), (rows, cols // QK)
         self.register_buffer("qweight", torch.empty(qshape, dtype=torch.uint8 if fmt.bits == 4 else torch.int8))
-        self.register_buffer("scales", torch.empty(rows, cols // QK, dtype=torch.float16))
+        self.register_buffer("scales", torch.empty(sshape, dtype=torch.float16))
         if fmt.has_mins:
-            self.register_buffer("mins", torch.empty(rows, cols // QK, dtype=torch.float16))
+            self.register_buffer("mins", torch.empty(sshape, dtype=torch.float16))
         else:
             self.mins = None
 
@@ -91,6 +101,8 @@ class QuantEmbedding(_Blocks):
     """Token embeddings stored quantized; looked-up rows are dequantized (T rows per step)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: QuantFormat, dtype: torch.dtype):
+        if fmt.tiled:
+            raise BriskError("quantized embeddings are stored by row, not in tiles; convert the model again")
         super().__init__(num_embeddings, embedding_dim, fmt)
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
 
@@ -136,6 +148,17 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+
+
+def tileable(name: str, fmt: QuantFormat | None, rows: int) -> bool:
+    """Whether a weight is stored tiled: int4 linears (not embeddings) whose rows fill whole tiles."""
+    return fmt is not None and fmt.bits == 4 and rows % kernels.TILE_ROWS == 0 and is_quantizable_weight(name)
+
+
+def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A weight's int4 blocks (qweight/scales/mins) in the row layout -> the tiled layout."""
+    qweight, scales, mins = kernels.tile_int4(blocks["qweight"], blocks["scales"], blocks.get("mins"))
+    return {"qweight": qweight, "scales": scales, **({"mins": mins} if mins is not None else {})}
 
 
 def check_quantizable(name: str, shape: tuple[int, ...], method: str) -> None:
