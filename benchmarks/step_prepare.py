@@ -37,7 +37,7 @@ def main() -> None:
     for r in range(args.rows):
         length = args.context - r  # ragged, as real batches are
         req = Request(f"r{r}", list(range(length - 1)), SamplingParams())
-        req.output_token_ids = [1]
+        req.append_output(1)
         req.num_computed_tokens = length - 1
         chunks.append(ScheduledChunk(req, 1, pool[r * blocks_per_row:(r + 1) * blocks_per_row]))
     times = []

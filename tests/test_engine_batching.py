@@ -224,8 +224,9 @@ def _all_outputs(engine, prompt, params):
 
 def test_delta_outputs_cost_o_of_l_and_carry_the_same_result(demo, prompts64):
     """With output_kind="delta" a step's output holds only the new token (and its logprobs); the
-    whole output, logprobs and timings come once, on the final output. The elements the engine
-    copies into outputs over a request of L tokens are O(L), against L(L+1)/2 cumulative."""
+    whole output, logprobs and timings come once, on the final output; the prompt's P ids on the
+    first and the final. The elements the engine copies into outputs over a request of L tokens
+    are O(L + P), against L(L+1)/2 + L*P cumulative."""
     length = 48
     engine = make_engine(demo)
     common = dict(max_tokens=length, temperature=0, ignore_eos=True, logprobs=2)
@@ -234,11 +235,15 @@ def test_delta_outputs_cost_o_of_l_and_carry_the_same_result(demo, prompts64):
     assert len(delta) == len(cumulative) == length
 
     def copied(outs):
-        return sum(len(o.token_ids) + len(o.logprobs or []) + len(o.metrics) for o in outs)
+        return sum(len(o.token_ids) + len(o.logprobs or []) + len(o.metrics) + len(o.prompt_token_ids)
+                   for o in outs)
 
-    final_metrics = len(delta[-1].metrics)
-    assert copied(delta) == 2 * length + final_metrics  # the final output's token ids and logprobs only
-    assert copied(cumulative) >= length * (length + 1)
+    final_metrics, prompt = len(delta[-1].metrics), prompts64[0]
+    # the final output's token ids and logprobs, the prompt on the first and final outputs
+    assert copied(delta) == 2 * length + final_metrics + 2 * len(prompt)
+    assert copied(cumulative) >= length * (length + 1) + length * len(prompt)
+    assert delta[0].prompt_token_ids == delta[-1].prompt_token_ids == cumulative[5].prompt_token_ids == prompt
+    assert all(o.prompt_token_ids == [] for o in delta[1:-1])
     assert all(o.token_ids == [] and o.logprobs is None and o.metrics == {} for o in delta[:-1])
     assert [t for o in delta for t in o.delta_token_ids] == delta[-1].token_ids == cumulative[-1].token_ids
     assert [lp for o in delta for lp in o.delta_logprobs] == delta[-1].logprobs == cumulative[-1].logprobs

@@ -126,10 +126,28 @@ def _request(rid, n, max_tokens=4, priority=0):
                    SamplingParams(max_tokens=max_tokens), priority=priority)
 
 
+def test_a_request_keeps_one_token_list():
+    """Prompt and output live in one list that grows in place: reading the sequence (the KV
+    manager's hashes, the runner's new tokens, the penalties) copies nothing per step, and the
+    caller's prompt list is never appended to."""
+    prompt = [5, 6, 7]
+    req = Request("r1", prompt, SamplingParams(max_tokens=4))
+    tokens = req.all_token_ids
+    req.append_output(8)
+    req.append_output(9)
+    assert req.all_token_ids is tokens and tokens == [5, 6, 7, 8, 9]
+    assert prompt == [5, 6, 7] and tokens is not prompt
+    assert (req.num_prompt_tokens, req.num_output_tokens, req.num_tokens) == (3, 2, 5)
+    assert req.prompt_token_ids == [5, 6, 7] and req.output_token_ids == (8, 9)
+    assert req.output_tokens_from(1) == [9]
+    with pytest.raises(AttributeError):  # the output view is read-only: appends go through append_output
+        req.output_token_ids.append(10)
+
+
 def _finish_step(sched, out, token=7):
     """Pretend the model ran: advance and give each sampling request one token."""
     for req in sched.advance(out):
-        req.output_token_ids.append(token)
+        req.append_output(token)
         if req.num_output_tokens >= req.params.max_tokens:
             sched.finish(req, RequestStatus.FINISHED_LENGTH)
 
@@ -212,7 +230,7 @@ def test_random_workload_never_leaks_or_loses_requests(data):
             out = sched.schedule()
             assert out.chunks or not sched.has_unfinished, "no progress: deadlock"
             for req2 in sched.advance(out):
-                req2.output_token_ids.append(rng.randint(0, 50))
+                req2.append_output(rng.randint(0, 50))
                 if req2.num_output_tokens >= req2.params.max_tokens or req2.num_tokens >= max_len:
                     sched.finish(req2, RequestStatus.FINISHED_LENGTH)
                     ended.append(req2.request_id)
@@ -222,7 +240,7 @@ def test_random_workload_never_leaks_or_loses_requests(data):
         out = sched.schedule()
         assert out.chunks, "no progress: deadlock"
         for req2 in sched.advance(out):
-            req2.output_token_ids.append(1)
+            req2.append_output(1)
             if req2.num_output_tokens >= req2.params.max_tokens or req2.num_tokens >= max_len:
                 sched.finish(req2, RequestStatus.FINISHED_LENGTH)
                 ended.append(req2.request_id)

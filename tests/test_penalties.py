@@ -14,30 +14,33 @@ VOCAB = 50
 
 
 def _request(i, prompt, output, **penalties):
-    return Request(f"r{i}", prompt, SamplingParams(**penalties), output_token_ids=output)
+    request = Request(f"r{i}", prompt, SamplingParams(**penalties))
+    for token in output:
+        request.append_output(token)
+    return request
 
 
 def test_penalties_match_transformers_and_openai_row_by_row():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, VOCAB, generator=g) * 3
-    requests = {
-        0: _request(0, [1, 2, 3, 3], [4, 4, 9], repetition_penalty=1.3),
-        2: _request(2, [5, 6], [6, 6, 6, 7], frequency_penalty=0.5, presence_penalty=0.8),
-        3: _request(3, [8, 9, 10], [10, 11, 11], repetition_penalty=0.7, frequency_penalty=-0.4,
-                    presence_penalty=1.5),
-        4: _request(4, [12], [], presence_penalty=2.0, frequency_penalty=2.0),  # nothing generated yet
+    cases = {  # row: (prompt, output, penalties)
+        0: ([1, 2, 3, 3], [4, 4, 9], dict(repetition_penalty=1.3)),
+        2: ([5, 6], [6, 6, 6, 7], dict(frequency_penalty=0.5, presence_penalty=0.8)),
+        3: ([8, 9, 10], [10, 11, 11], dict(repetition_penalty=0.7, frequency_penalty=-0.4, presence_penalty=1.5)),
+        4: ([12], [], dict(presence_penalty=2.0, frequency_penalty=2.0)),  # nothing generated yet
     }
+    requests = [_request(row, prompt, output, **penalties) for row, (prompt, output, penalties) in cases.items()]
     ours = logits.clone()
-    apply_penalties(ours, list(requests), list(requests.values()))
+    apply_penalties(ours, list(cases), requests)
     for row in range(5):
         expected = logits[row].clone()
-        request = requests.get(row)
-        if request is not None:
-            p = request.params
+        if row in cases:
+            prompt, output, penalties = cases[row]
+            p = SamplingParams(**penalties)
             if p.repetition_penalty != 1.0:
-                ids = torch.tensor([request.prompt_token_ids + request.output_token_ids])
+                ids = torch.tensor([prompt + output])
                 expected = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, expected[None])[0]
-            counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long), minlength=VOCAB)
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=VOCAB)
             expected = expected - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
         torch.testing.assert_close(ours[row], expected.float(), rtol=0, atol=1e-6)
     assert torch.equal(ours[1], logits[1])  # a row without penalties is untouched

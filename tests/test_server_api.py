@@ -151,6 +151,18 @@ def test_completion_logprobs_and_echo(client):
     assert len(choice.logprobs.tokens) == 4 and all(len(t) <= 2 for t in choice.logprobs.top_logprobs)
 
 
+def test_streamed_echo_carries_the_prompt_once(client):
+    # the engine sends the prompt's ids on a request's first output only: the stream must still
+    # start with the prompt, once, and join to the same text as the whole response
+    whole = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=6, temperature=0,
+                                      echo=True).choices[0].text
+    chunks = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=6, temperature=0,
+                                       echo=True, stream=True)
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole and whole.startswith("Hello, my name is")
+    assert whole.count("Hello, my name is") == 1 and len(whole) > len("Hello, my name is")
+
+
 def test_models_tokenize_detokenize(demo, server):
     with server.client() as http:
         models = http.get("/v1/models").json()

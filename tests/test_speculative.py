@@ -59,27 +59,27 @@ def test_ngram_proposes_what_followed_the_longest_recent_match():
     index = NgramIndex(2, 4)
     #         0  1  2  3  4  5  6  7  8  9 10 11 12 13
     prompt = [5, 1, 2, 3, 9, 9, 7, 2, 3, 8, 8, 1, 2, 3]
-    index.extend(prompt, [])
+    index.extend(prompt)
     # "2 3" ends at 3 (after "1 2 3": a 3-gram) and at 8 (after "7 2 3": only the 2-gram): the
     # longer match wins although it is older
     assert index.propose(3) == [9, 9, 7]
     assert index.propose(1) == [9]
-    index.extend(prompt, [9, 9])  # the sequence grows: "3 9 9" now matches at 5
+    index.extend(prompt + [9, 9])  # the sequence grows: "3 9 9" now matches at 5
     assert index.propose(4) == [7, 2, 3, 8]
 
 
 def test_ngram_without_a_match_or_budget_proposes_nothing():
     index = NgramIndex(3, 5)
-    index.extend([1, 2, 3, 4, 5, 6], [])
+    index.extend([1, 2, 3, 4, 5, 6])
     assert index.propose(4) == []  # "4 5 6" occurs once: only itself
-    index.extend([1, 2, 3, 4, 5, 6], [1, 2, 3])
+    index.extend([1, 2, 3, 4, 5, 6, 1, 2, 3])
     assert index.propose(4) == [4, 5, 6, 1]  # the proposal may run into the current repeat
     assert index.propose(0) == []
 
 
 def test_ngram_prefers_the_most_recent_of_equal_matches():
     index = NgramIndex(2, 2)
-    index.extend([1, 2, 7, 1, 2, 8, 1, 2], [])
+    index.extend([1, 2, 7, 1, 2, 8, 1, 2])
     assert index.propose(1) == [8]
 
 
@@ -211,7 +211,8 @@ def test_truncate_returns_rejected_draft_slots():
 
 def _decoding(request_id, prompt_len, output, draft):
     r = Request(request_id, list(range(prompt_len)), SamplingParams(max_tokens=64))
-    r.output_token_ids = list(output)
+    for token in output:
+        r.append_output(token)
     r.spec_token_ids = list(draft)
     return r
 
@@ -223,7 +224,7 @@ def test_scheduler_counts_drafts_against_the_budget_and_memory():
     sched.add_request(r)
     sched.advance(sched.schedule())  # the 7-token prompt in one chunk
     assert r.num_computed_tokens == 7
-    r.output_token_ids.append(2)
+    r.append_output(2)
     r.spec_token_ids = list(range(10, 19))
     out = sched.schedule()
     (chunk,) = out.chunks
@@ -235,7 +236,7 @@ def test_scheduler_counts_drafts_against_the_budget_and_memory():
     assert len(kv.block_ids("a")) == 2 and kv.num_free_blocks == 4
     # a draft that needs memory somebody else holds is dropped; nobody is preempted for it
     kv.allocate_slots(_decoding("hog", 11, [], []), 12)  # 3 of the 4 free blocks
-    r.output_token_ids.append(3)
+    r.append_output(3)
     r.spec_token_ids = [1, 2, 3, 4, 5]  # 14 slots = 4 blocks: 2 more, only 1 free
     out = sched.schedule()
     (chunk,) = out.chunks
@@ -331,7 +332,10 @@ def test_logprobs_with_speculation_are_the_targets(demo_fp32, spec_prompts):
         assert a.token_ids == b.token_ids and len(b.logprobs) == NUM_TOKENS
         for x, y in zip(a.logprobs, b.logprobs):
             assert x["token_id"] == y["token_id"]
-            assert math.isclose(x["logprob"], y["logprob"], abs_tol=1e-5)
+            # verification runs 5 rows per request through the fp32 GEMMs where plain decoding runs
+            # 1, and the GEMM kernels sum in a different order per row count: up to 2.5e-5 measured
+            # on an AVX-512 machine. A logprob of the wrong position or distribution is off by >1e-2.
+            assert math.isclose(x["logprob"], y["logprob"], abs_tol=1e-4)
             assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
         assert b.metrics["spec_drafted_tokens"] >= b.metrics["spec_accepted_tokens"]
 

@@ -159,7 +159,7 @@ class LLMEngine:
             self.drafter.draft(out.chunks)
         sampled, samples = self.runner.execute(out.chunks)
         for chunk in out.chunks:  # before advance: num_computed_tokens is still where the chunk starts
-            prompt_left = len(chunk.request.prompt_token_ids) - chunk.request.num_computed_tokens
+            prompt_left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
             if prompt_left > 0:
                 self.num_prompt_tokens += min(chunk.num_tokens, prompt_left)
         self.scheduler.advance(out)
@@ -198,17 +198,17 @@ class LLMEngine:
     def _append_tokens(self, request: Request, tokens: list[int], now: float, extras, row: int) -> RequestOutput:
         """Append a step's tokens (one, or several after a verified draft) until the request
         finishes; one output carries them all."""
-        old_len = len(request.output_token_ids)
+        old_len = request.num_output_tokens
         released = []
         for i, token in enumerate(tokens):
             released.append(self._append_token(request, token, now, extras, row + i))
             if request.status.finished:
                 break
-        return self._output(request, "".join(released), request.output_token_ids[old_len:])
+        return self._output(request, "".join(released), request.output_tokens_from(old_len))
 
     def _append_token(self, request: Request, token: int, now: float, extras, row: int) -> str:
         """Append one token, apply the stop rules; returns the text it releases."""
-        request.output_token_ids.append(token)
+        request.append_output(token)
         request.times.token_ts.append(now)
         if request.times.first_token_ts is None:
             request.times.first_token_ts = now
@@ -268,13 +268,16 @@ class LLMEngine:
         if request.params.logprobs is not None:
             logprobs = request.logprobs if whole else None
             delta_logprobs = request.logprobs[len(request.logprobs) - len(delta_ids):]
+        # the prompt's ids ride on a request's first output and on whole ones, not on every delta
+        first = request.num_output_tokens == len(delta_ids)
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            text=request.output_text, token_ids=list(request.output_token_ids) if whole else [],
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids if whole or first else [],
+            text=request.output_text, token_ids=request.output_tokens_from(0) if whole else [],
             delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-            metrics=self._metrics(request) if whole else {}, num_output_tokens=len(request.output_token_ids),
+            metrics=self._metrics(request) if whole else {}, num_output_tokens=request.num_output_tokens,
             delta_logprobs=delta_logprobs,
         )
 

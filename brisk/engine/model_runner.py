@@ -71,14 +71,8 @@ class ModelRunner:
 
 
 def sequence_tokens(req: Request, start: int, end: int) -> list[int]:
-    """Tokens start..end-1 of prompt + output, without concatenating the whole sequence."""
-    prompt = req.prompt_token_ids
-    p = len(prompt)
-    if start >= p:
-        return req.output_token_ids[start - p:end - p]
-    if end <= p:
-        return prompt[start:end]
-    return prompt[start:] + req.output_token_ids[:end - p]
+    """Tokens start..end-1 of prompt + output (a slice of the request's one token list)."""
+    return req.all_token_ids[start:end]
 
 
 @dataclass

@@ -14,7 +14,7 @@ class RequestOutput:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # on the request's first output and on (*) outputs; empty between
     text: str  # all text released so far (a reference to an immutable string: no copy)
     token_ids: list[int]  # (*) all output tokens
     delta_text: str  # text released by this step

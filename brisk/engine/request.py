@@ -53,12 +53,13 @@ class RequestTimes:
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    # The prompt, then each output token appended as it is sampled: the request's one token list.
+    # Read it, never copy it per step; `prompt_token_ids` and `output_token_ids` are slices of it.
+    all_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower is served first; FCFS among equals
     cache_salt: str | None = None
     prompt: str | None = None
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -75,18 +76,36 @@ class Request:
     # sequence until accepted) and the request's drafting state (spec_decode.policy.SpecState).
     spec_token_ids: list[int] = field(default_factory=list)
     spec: Any = None
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.all_token_ids)  # owned: the caller's prompt list is never appended to
+        self.num_prompt_tokens = len(self.all_token_ids)
+
+    def append_output(self, token: int) -> None:
+        self.all_token_ids.append(token)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def prompt_token_ids(self) -> list[int]:
+        """A copy (O(prompt)): for a request's first or final output, not for every step."""
+        return self.all_token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """A read-only copy of the output so far (O(output)); append with `append_output`."""
+        return tuple(self.all_token_ids[self.num_prompt_tokens:])
+
+    def output_tokens_from(self, start: int) -> list[int]:
+        """Output tokens start.. (O(returned)): a step's new tokens."""
+        return self.all_token_ids[self.num_prompt_tokens + start:]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def finish_reason(self) -> str | None:

@@ -153,9 +153,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Reques
         values = flat_logits[seen]
         flat_logits[seen] = torch.where(values > 0, values / per_id, values * per_id)
     counted = [(row, r) for row, r in zip(rows, requests)
-               if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+               if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output_tokens]
     if counted:
-        ids = _flat([row for row, _ in counted], [r.output_token_ids for _, r in counted], vocab, device)
+        ids = _flat([row for row, _ in counted], [r.output_tokens_from(0) for _, r in counted], vocab, device)
         unique, counts = ids.unique(return_counts=True)
         row_of = unique // vocab
         frequency = torch.zeros(logits.shape[0], dtype=logits.dtype, device=device)

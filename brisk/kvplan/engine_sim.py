@@ -114,7 +114,7 @@ def simulate_engine(trace: list[TraceRequest], cfg: EngineSimConfig, cost: StepC
         stats.record(view.refresh(), len(scheduler.running), 0)  # memory held during the step (0 when idle)
         stats.timeline["t"].append(clock)
         for request in scheduler.advance(out):
-            request.output_token_ids.append(next(fresh))
+            request.append_output(next(fresh))
             if request.num_output_tokens >= targets[request.request_id] or \
                     request.num_tokens >= cfg.max_model_len:
                 scheduler.finish(request, RequestStatus.FINISHED_LENGTH)

@@ -53,7 +53,7 @@ class NgramDrafter:
             state = request.spec
             if state.index is None:
                 state.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            state.index.extend(request.prompt_token_ids, request.output_token_ids)
+            state.index.extend(request.all_token_ids)
             request.spec_token_ids = state.index.propose(limit)
 
     def draft(self, chunks) -> None:

@@ -20,13 +20,9 @@ class NgramIndex:
         self.ends: dict[tuple[int, ...], list[int]] = defaultdict(list)
         self._indexed = 0  # grams ending before this position are in `ends`
 
-    def extend(self, prompt: list[int], output: list[int]) -> None:
-        """Bring the index's copy of the sequence up to date (appends only what is new)."""
-        have = len(self.tokens)
-        if have < len(prompt):
-            self.tokens.extend(prompt[have:])
-            have = len(prompt)
-        self.tokens.extend(output[have - len(prompt):])
+    def extend(self, sequence: list[int]) -> None:
+        """Bring the index's copy of the sequence (prompt + output) up to date: appends only what is new."""
+        self.tokens.extend(sequence[len(self.tokens):])
 
     def propose(self, max_tokens: int) -> list[int]:
         tokens, n = self.tokens, self.min_n
