@@ -14,11 +14,14 @@ Systems (each started here on 127.0.0.1 and stopped after its runs, one at a tim
   brisk-torch    the same with BRISK_ATTENTION=torch (gather + SDPA): the kernel's effect, same run
   llama-server   llama.cpp's native server (--parallel slots, continuous batching) on the same
                  GGUF file (Q4_1), --llama-server PATH (build: see benchmarks/quantized_peers.py)
+  llama-server-f32  the same server on an F32 copy of that GGUF (written with the gguf package,
+                 benchmarks/peers/run_peers.py): llama.cpp's fp32 GEMMs prefill faster than Q4_1
 
 Prompts are English-like word sequences from a fixed seed (every system gets the same bytes);
 the table reports the prompt tokens each server counted. Prints the machine's read bandwidth.
 
-    .venv/bin/python benchmarks/long_context.py [--workloads a,b,c] [--systems brisk,brisk-torch,llama-server]
+    .venv/bin/python benchmarks/long_context.py [--workloads a,b,c]
+        [--systems brisk,brisk-torch,llama-server,llama-server-f32]
         [--llama-server PATH] [--scale 1.0] [--half]
 """
 
@@ -95,9 +98,13 @@ def command(system: str, port: int, args) -> tuple[list[str], dict]:
         return [sys.executable, "-m", "brisk", "serve", "--port", str(port), "--max-model-len", "4096",
                 "--max-num-seqs", "64", "--kv-cache-memory", args.kv_cache_memory], env
     from brisk.models.registry import resolve
+    from run_peers import write_f32_gguf
 
+    gguf_path = resolve(MODEL_ID).path
+    if system == "llama-server-f32":
+        gguf_path = write_f32_gguf(gguf_path, args.work / "smollm2-f32.gguf")
     slots = 64
-    return [args.llama_server, "-m", str(resolve(MODEL_ID).path), "--host", "127.0.0.1", "--port", str(port),
+    return [args.llama_server, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
             "--alias", MODEL_ID, "--parallel", str(slots), "-c", str(slots * 2304), "-t", str(os.cpu_count() or 2)], env
 
 
@@ -137,7 +144,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "brisk-long-context")
     args = parser.parse_args()
     systems = args.systems.split(",")
-    if "llama-server" in systems and not args.llama_server:
+    if any(s.startswith("llama-server") for s in systems) and not args.llama_server:
         parser.error("--llama-server PATH is needed to run llama-server (see this script's docstring)")
     args.work.mkdir(parents=True, exist_ok=True)
     chosen = args.workloads.split(",")
