@@ -11,6 +11,7 @@ import torch
 
 from brisk.engine.attention import (AttentionMetadata, KernelPagedAttention, PagedKVCache, PrefillSeq,
                                     attention_backend, block_tables, context_slots)
+from brisk.engine.block_table import PersistentBlockTables
 from brisk.engine.decode_stack import DecodeStack
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput
@@ -32,6 +33,7 @@ class ModelRunner:
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
         self.decode_stack = (DecodeStack.build(self.model, self.kv, self.scale, block_size)
                              if self.attention is KernelPagedAttention else None)
+        self.decode_tables = PersistentBlockTables(-(-loaded.max_model_len // block_size))
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         # decodes (with their drafts) first, order kept otherwise
@@ -45,13 +47,14 @@ class ModelRunner:
             # before it: every row attends exactly as one-token decoding would, so verification
             # reproduces its logits bit for bit
             seqs.append(SeqSlice(sequence_tokens(req, start, end - chunk.num_draft) + draft, start, chunk.block_ids,
-                                 as_decode_rows=chunk.num_tokens - chunk.num_draft == 1))
+                                 as_decode_rows=chunk.num_tokens - chunk.num_draft == 1, key=req.request_id))
             if end - chunk.num_draft == req.num_tokens:  # the last known token: its logits give the next one
                 # (and with a draft, each drafted position's logits verify the next draft token)
                 sampled.append((len(seqs) - 1, 1 + chunk.num_draft))
                 sample_requests.append(req)
                 drafts.append(draft)
-        batch = build_batch(seqs, self.block_size, self.device, self.loaded.config.layer_windows)
+        batch = build_batch(seqs, self.block_size, self.device, self.loaded.config.layer_windows,
+                            self.decode_tables)
         sample_rows = [row for i, n in sampled for row in range(batch.ends[i] - n, batch.ends[i])]
         return batch.input_ids, batch.positions, batch.meta, sample_rows, sample_requests, drafts
 
@@ -83,6 +86,7 @@ class SeqSlice:
     start: int  # position of tokens[0] (= tokens already in the cache)
     block_ids: list[int]  # covering positions 0 .. start + len(tokens) - 1
     as_decode_rows: bool  # each token attends as a decode row (decodes and drafted tokens)
+    key: str | None = None  # the request's id: its row in persistent block tables
 
 
 @dataclass
@@ -93,12 +97,15 @@ class Batch:
     ends: list[int]  # per slice: its last row + 1 in the flat batch
 
 
-def build_batch(seqs: list[SeqSlice], block_size: int, device, layer_windows: tuple = ()) -> Batch:
+def build_batch(seqs: list[SeqSlice], block_size: int, device, layer_windows: tuple = (),
+                persistent: PersistentBlockTables | None = None) -> Batch:
     """The flat batch and its attention metadata (slots of the new tokens: O(new tokens); decode
-    rows as block tables; prompt chunks with their context slots). Decode-row slices must come
-    first."""
+    rows as block tables, taken from `persistent` (O(rows + new blocks) in Python; slices need
+    their `key`) or else built from the block lists (O(rows x blocks)); prompt chunks with their
+    context slots). Decode-row slices must come first."""
     input_ids, positions, slot_mapping, ends = [], [], [], []
     decode_tables: list[list[int]] = []
+    decode_slots: list[int] = []
     decode_lengths: list[int] = []
     prefills: list[PrefillSeq] = []
     for seq in seqs:
@@ -109,7 +116,10 @@ def build_batch(seqs: list[SeqSlice], block_size: int, device, layer_windows: tu
         if seq.as_decode_rows:
             if prefills:
                 raise ValueError("decode rows must come before prompt chunks in a batch")
-            decode_tables += [seq.block_ids] * len(seq.tokens)
+            if persistent is not None:
+                decode_slots += [persistent.update(seq.key, seq.block_ids)] * len(seq.tokens)
+            else:
+                decode_tables += [seq.block_ids] * len(seq.tokens)
             decode_lengths += range(start + 1, end + 1)
         else:
             table = block_tables([seq.block_ids], [end], block_size)
@@ -117,8 +127,13 @@ def build_batch(seqs: list[SeqSlice], block_size: int, device, layer_windows: tu
             prefills.append(PrefillSeq(row, len(seq.tokens), context, start))
         ends.append(len(input_ids))
     tables = lens = None
-    if decode_tables:
+    if persistent is not None:
+        persistent.release_except(seq.key for seq in seqs if seq.as_decode_rows)
+        if decode_slots:
+            tables = torch.from_numpy(persistent.gather(decode_slots, -(-max(decode_lengths) // block_size)))
+    elif decode_tables:
         tables = block_tables(decode_tables, decode_lengths, block_size)
+    if decode_lengths:
         lens = torch.tensor(decode_lengths, dtype=torch.int32)
     meta = AttentionMetadata(torch.tensor(slot_mapping, device=device), block_size, tables, lens, prefills,
                              layer_windows)

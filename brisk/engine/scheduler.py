@@ -39,7 +39,7 @@ class SchedulerConfig:
 class ScheduledChunk:
     request: Request
     num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
-    block_ids: list[int]
+    block_ids: list[int]  # the KV manager's live list (live_block_ids): read it this step only
     # of which the last `num_draft` are speculative (request.spec_token_ids[:num_draft]): the
     # target verifies them, and only accepted ones become part of the sequence
     num_draft: int = 0
@@ -136,7 +136,7 @@ class Scheduler:
         return budget
 
     def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput, num_draft: int = 0) -> None:
-        out.chunks.append(ScheduledChunk(request, num_new + num_draft, self.kv.block_ids(request.request_id),
+        out.chunks.append(ScheduledChunk(request, num_new + num_draft, self.kv.live_block_ids(request.request_id),
                                          num_draft))
         # NOTE: blocks this chunk fills are registered now, not after the forward: a request
         # admitted later in this same step may share them, because every layer writes the

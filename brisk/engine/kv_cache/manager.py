@@ -66,6 +66,9 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # the same blocks' ids, one list per request changed in place while it only grows: the
+        # model runner's persistent block tables read it (live_block_ids) and copy only what is new
+        self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_tokens: dict[str, int] = {}  # tokens whose slots are allocated
         self.req_num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the prefix cache
@@ -117,6 +120,9 @@ class KVCacheManager:
         self.pool.touch(shared)
         new_blocks = self.pool.allocate(max(num_needed, 0)) or []
         self.req_blocks[rid] = held + shared + new_blocks
+        ids = self.req_block_ids.setdefault(rid, [])
+        ids.extend(b.block_id for b in shared)
+        ids.extend(b.block_id for b in new_blocks)
         self.req_num_tokens[rid] = num_tokens
         return new_blocks
 
@@ -153,6 +159,7 @@ class KVCacheManager:
         if num_dead > done:
             self.pool.free(list(reversed(blocks[done:num_dead])))
             blocks[done:num_dead] = [WINDOW_FREED] * (num_dead - done)
+            self.req_block_ids[request_id][done:num_dead] = [WINDOW_FREED.block_id] * (num_dead - done)
             self.req_num_window_freed[request_id] = num_dead
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
@@ -168,11 +175,15 @@ class KVCacheManager:
             raise RuntimeError(f"request {request_id}: truncating into its registered prefix blocks")
         self.pool.free(list(reversed(blocks[keep:])))
         del blocks[keep:]
+        # a new list, not a cut in place: a list cut back and grown again before the model runner
+        # looks would keep its length, and the runner's persistent row would keep the old ids
+        self.req_block_ids[request_id] = self.req_block_ids[request_id][:keep]
         self.req_num_tokens[request_id] = num_tokens
 
     def free(self, request_id: str) -> None:
         """Release every block the request holds (tail first, so its prefix outlives its tail)."""
         blocks = self.req_blocks.pop(request_id, [])
+        self.req_block_ids.pop(request_id, None)
         self.pool.free([b for b in reversed(blocks) if b is not WINDOW_FREED])
         self.req_hashes.pop(request_id, None)
         self.req_num_tokens.pop(request_id, None)
@@ -180,7 +191,16 @@ class KVCacheManager:
         self.req_num_window_freed.pop(request_id, None)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        """A copy of the request's block ids."""
+        return list(self.req_block_ids.get(request_id, ()))
+
+    def live_block_ids(self, request_id: str) -> list[int]:
+        """The request's block-id list itself (O(1)): read it during the step it was scheduled
+        for, never change it. It grows at its end, is cut back by `truncate`, has window-freed
+        entries set to block 0, and is replaced by a new list when it is cut back (`truncate`) or the
+        request is admitted again."""
+        ids = self.req_block_ids.get(request_id)
+        return ids if ids is not None else []
 
     @property
     def num_free_blocks(self) -> int:
