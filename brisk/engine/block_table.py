@@ -31,7 +31,7 @@ class PersistentBlockTables:
         if slot is None:
             slot = self._take_slot()
             self.slot_of[key] = slot
-        elif self.lists[slot] is not block_ids:  # preempted and admitted again: a new list
+        elif self.lists[slot] is not block_ids:  # a new list: cut back, or the request admitted again
             self._clear(slot)
         n, known = len(block_ids), self.known[slot]
         if n < known:  # defensive: the manager hands out a new list when it cuts one back
