@@ -16,6 +16,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 WINDOW = 4096
 TOKEN_DELAY_S = 0.004
+# A serial server's request must outlast the client's own per-request overhead (HTTP, parsing:
+# 5-20 ms on a loaded 2-core CI box) by far, as a real one's (seconds) does; otherwise the ramp's
+# parallel clients overlap that overhead with service and "serial" measures x1.1 or more.
+SERIAL_TOKEN_DELAY_S = 0.02
 PREFILL_S_PER_TOKEN = 0.000005
 
 
@@ -75,7 +79,7 @@ def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_
             for i in range(max_tokens):
                 if i:  # shared compute: every running stream slows every token
                     await asyncio.sleep(0.008 * (1 + 0.7 * (state["active"] - 1)) if compute_bound else
-                                        TOKEN_DELAY_S)
+                                        SERIAL_TOKEN_DELAY_S if serial else TOKEN_DELAY_S)
                 yield "tok "
         finally:
             state["active"] -= 1
