@@ -1,7 +1,8 @@
 """Decode attention for one layer at long contexts: --rows rows of ~--context tokens each (ragged),
 block tables scattered over the pool as the KV manager hands them out. Compares, in one run:
 
-  kernel   brisk/kernels/paged_attention.cpp, reading K/V in place through the block tables
+  kernel   brisk/kernels/paged_attention.cpp, reading K/V in place through the block tables, on
+           each SIMD path the CPU has (AVX2; AVX-512 where present: what serving picks)
   torch    the reference path: index_select the context out of the cache, SDPA on the copy
   bound    the time to read the rows' K/V bytes once at the machine's measured read bandwidth
 
@@ -78,22 +79,31 @@ def main() -> None:
     kv_bytes = sum(lengths) * args.kv_heads * args.head_dim * cache.k.element_size() * 2
     bandwidth, how = read_bandwidth_gbs()
     bound = kv_bytes / (bandwidth * 1e9)
-    times = timed({"kernel": lambda: kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs,
-                                                                    scale),
-                   "torch": lambda: torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)}, args.repeat)
-    t_kernel, t_torch = (statistics.median(times[k]) for k in ("kernel", "torch"))
-    best_kernel, best_torch = (min(times[k]) for k in ("kernel", "torch"))
+    lib = kernels.library()
+
+    def kernel(isa: int):
+        def run():
+            lib.brisk_paged_attention_force_isa(isa)
+            kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs, scale)
+        return run
+
+    # every SIMD path this CPU runs (the best one is what serving uses), and the torch path
+    best_isa = lib.brisk_paged_attention_isa()
+    paths = {f"kernel {name}": kernel(isa) for isa, name in ((2, "avx2"), (3, "avx512")) if isa <= best_isa}
+    paths["torch (gather+SDPA)"] = lambda: torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)
+    times = timed(paths, args.repeat)
+    lib.brisk_paged_attention_force_isa(-1)
     print(f"{args.rows} rows x ~{args.context} tokens ({sum(lengths)} in all), heads {args.heads}/{args.kv_heads}, "
           f"head_dim {args.head_dim}, {args.dtype} KV, block size {bs}; threads {torch.get_num_threads()}, "
           f"kernel ISA {kernels.attention_isa()}")
     print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); K/V bytes per layer {kv_bytes / 2**20:.1f} MiB "
           f"-> read-once bound {bound * 1e3:.2f} ms")
-    print(f"  kernel (in place):   median {t_kernel * 1e3:8.2f} ms per layer ({t_kernel / bound:5.2f}x the bound), "
-          f"best {best_kernel * 1e3:8.2f} ms ({best_kernel / bound:5.2f}x)")
-    print(f"  torch (gather+SDPA): median {t_torch * 1e3:8.2f} ms per layer ({t_torch / bound:5.2f}x the bound), "
-          f"best {best_torch * 1e3:8.2f} ms ({best_torch / bound:5.2f}x)")
-    print(f"  kernel speed-up over torch: {t_torch / t_kernel:.2f}x (medians), {best_torch / best_kernel:.2f}x (best)")
-
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        print(f"  {name:20s} median {medians[name] * 1e3:8.2f} ms per layer ({medians[name] / bound:5.2f}x the bound), "
+              f"best {min(t) * 1e3:8.2f} ms ({min(t) / bound:5.2f}x)")
+    served = f"kernel {kernels.attention_isa()}"
+    print(f"  {served} speed-up over torch: {medians['torch (gather+SDPA)'] / medians[served]:.2f}x (medians)")
 
 if __name__ == "__main__":
     main()

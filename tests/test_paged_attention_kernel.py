@@ -70,7 +70,7 @@ def test_context_slots_expand_block_tables_like_the_per_token_reference():
     assert no_mask is None and one.tolist() == slots[0, :lengths[0]].tolist()
 
 
-ISAS = {0: "portable", 2: "avx2"}
+ISAS = {0: "portable", 2: "avx2", 3: "avx512"}
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))

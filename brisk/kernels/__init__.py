@@ -126,7 +126,7 @@ def attention_isa() -> str:
     lib = library()
     if lib is None:
         return "torch-reference"
-    return "avx2" if lib.brisk_paged_attention_isa() == 2 else "portable"
+    return {3: "avx512", 2: "avx2"}.get(lib.brisk_paged_attention_isa(), "portable")
 
 
 PART_TOKENS = 512  # context positions per work item; a row's parts are merged at the end
