@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--hugepages", action="store_true",
+                        help="also time the served kernel on a cache without huge pages (4 KB pages), same run")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     bs = args.block_size
@@ -68,6 +70,12 @@ def main() -> None:
     cache = PagedKVCache(1, num_blocks * bs, args.kv_heads, args.head_dim, dtype, torch.device("cpu"))
     cache.k.normal_()
     cache.v.normal_()
+    small = None
+    if args.hugepages:
+        small = PagedKVCache(1, num_blocks * bs, args.kv_heads, args.head_dim, dtype, torch.device("cpu"),
+                             huge_pages=False)
+        small.k.copy_(cache.k)
+        small.v.copy_(cache.v)
     q = torch.randn(args.rows, args.heads, args.head_dim, dtype=dtype)
     table_t = block_tables(tables, lengths, bs)
     lens = torch.tensor(lengths, dtype=torch.int32)
@@ -77,8 +85,7 @@ def main() -> None:
     torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)  # expands the slots once, as a step does
 
     kv_bytes = sum(lengths) * args.kv_heads * args.head_dim * cache.k.element_size() * 2
-    bandwidth, how = read_bandwidth_gbs()
-    bound = kv_bytes / (bandwidth * 1e9)
+    before, how = read_bandwidth_gbs()
     lib = kernels.library()
 
     def kernel(isa: int):
@@ -90,13 +97,23 @@ def main() -> None:
     # every SIMD path this CPU runs (the best one is what serving uses), and the torch path
     best_isa = lib.brisk_paged_attention_isa()
     paths = {f"kernel {name}": kernel(isa) for isa, name in ((2, "avx2"), (3, "avx512")) if isa <= best_isa}
+    if small is not None:
+        def four_kb_pages():
+            lib.brisk_paged_attention_force_isa(-1)  # the path serving picks
+            kernels.paged_decode_attention(q, small.k[0], small.v[0], table_t, lens, bs, scale)
+        paths["kernel, 4 KB pages"] = four_kb_pages
     paths["torch (gather+SDPA)"] = lambda: torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)
     times = timed(paths, args.repeat)
     lib.brisk_paged_attention_force_isa(-1)
+    # this shared machine's bandwidth moves within minutes (34-63 GB/s in one hour): probed before
+    # and after the timings, and the bound taken from their mean
+    after, _ = read_bandwidth_gbs()
+    bandwidth = (before + after) / 2
+    bound = kv_bytes / (bandwidth * 1e9)
     print(f"{args.rows} rows x ~{args.context} tokens ({sum(lengths)} in all), heads {args.heads}/{args.kv_heads}, "
           f"head_dim {args.head_dim}, {args.dtype} KV, block size {bs}; threads {torch.get_num_threads()}, "
           f"kernel ISA {kernels.attention_isa()}")
-    print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); K/V bytes per layer {kv_bytes / 2**20:.1f} MiB "
+    print(f"read bandwidth {bandwidth:.1f} GB/s ({how}; {before:.1f} before the timings, {after:.1f} after); K/V bytes per layer {kv_bytes / 2**20:.1f} MiB "
           f"-> read-once bound {bound * 1e3:.2f} ms")
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, t in times.items():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from brisk import kernels
 from brisk.kernels import fused
+from brisk.engine import hugepages
 
 log = logging.getLogger("brisk.attention")
 
@@ -97,13 +98,14 @@ def context_slots(tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, huge_pages: bool = True):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         # NOTE: empty, not zeros: the OS maps pages only when a block is first written, so a
         # large pool costs nothing at start. Only slot 0 is read before being written (it pads
-        # the decode batch, masked out), and it must hold finite values.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # the decode batch, masked out), and it must hold finite values. On CPU the pool asks for
+        # 2 MB pages (brisk/engine/hugepages.py): decode attention jumps between blocks.
+        self.k = hugepages.empty(shape, dtype, device, huge=huge_pages)
+        self.v = hugepages.empty(shape, dtype, device, huge=huge_pages)
         self.k[:, 0].zero_()
         self.v[:, 0].zero_()
 

@@ -1,0 +1,56 @@
+"""Host buffers backed by transparent huge pages, for the KV cache.
+
+Decode attention walks each row's blocks in an order the block pool decides: at long contexts that
+is a jump to another part of a pool of hundreds of MB every block (12 KB of K and of V per layer
+on the demo model), and with 4 KB pages nearly every jump misses the TLB. Linux backs a region
+with 2 MB pages when asked (madvise MADV_HUGEPAGE; the default policy on most distributions is
+"madvise"). The compiled kernel at 64 rows x 2,000 scattered tokens, both in one run
+(benchmarks/decode_attention.py --hugepages): 6.46 -> 5.74 ms per layer with float32 KV,
+3.64 -> 2.76 ms with bfloat16.
+
+Memory stays lazy: pages are still mapped on first write, 2 MB at a time instead of 4 KB, so the
+pool's resident size grows by at most one huge page per tensor ahead of the blocks in use. Where
+the kernel refuses (another OS, THP disabled), the buffer is the plain one: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 1 << 21
+MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge: bool = True) -> torch.Tensor:
+    """torch.empty(shape), on CPU aligned to 2 MB and advised to use huge pages when `huge` and the
+    buffer spans at least one huge page. The pages are not touched here."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    madvise = _madvise() if huge and device.type == "cpu" and nbytes >= HUGE_PAGE else None
+    if madvise is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # slack to align the start
+    offset = -raw.data_ptr() % HUGE_PAGE
+    buffer = raw[offset:offset + nbytes].view(dtype).view(shape)  # keeps `raw` alive
+    advised = nbytes // HUGE_PAGE * HUGE_PAGE
+    if madvise(buffer.data_ptr(), advised, MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): KV cache on 4 KB pages", ctypes.get_errno())
+    return buffer
