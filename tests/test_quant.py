@@ -45,15 +45,18 @@ def random_blocks(bits, has_mins, n, k, seed=0):
     return qweight, scales, mins
 
 
-@pytest.fixture(params=["avx2", "scalar"])
+ISA_LEVELS = {"avx512vnni": 3, "avx2": 2, "scalar": 0}
+
+
+@pytest.fixture(params=list(ISA_LEVELS))
 def isa(request):
     lib = kernels.library()
     assert lib is not None, "the compiled kernels are missing: `make` builds them"
-    if request.param == "avx2" and kernels.isa() != "avx2":
-        pytest.skip("this CPU has no AVX2")
-    lib.brisk_kernels_force_scalar(request.param == "scalar")
+    if ISA_LEVELS[kernels.isa()] < ISA_LEVELS[request.param]:
+        pytest.skip(f"this CPU has no {request.param}")
+    lib.brisk_kernels_force_isa(ISA_LEVELS[request.param])
     yield request.param
-    lib.brisk_kernels_force_scalar(0)
+    lib.brisk_kernels_force_isa(-1)
 
 
 FORMATS = [(4, False), (4, True), (8, False), (8, True)]
@@ -142,6 +145,29 @@ def test_tiled_rows_do_not_depend_on_the_batch(isa, has_mins):
         for start in (r, max(0, r - 1), max(0, r - 5)):  # alone, in a pair, in a tile of 4 and a tail
             part = kernels.quant_matmul(x[start:r + 1].contiguous(), *tiled, 4)
             assert torch.equal(part[-1], together[r])
+
+
+@pytest.mark.parametrize("has_mins", [False, True])
+def test_tiled_vnni_kernel_is_the_avx2_kernel_bit_for_bit(has_mins):
+    """The AVX-512 VNNI tile loop sums each block's products exactly in int32 (as AVX2's int16
+    partial sums do) and then takes the same float steps: the two must agree bit for bit, so a
+    model's outputs do not depend on which of these CPUs serves it."""
+    lib = kernels.library()
+    if kernels.isa() != "avx512vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    qweight, scales, mins = random_blocks(4, has_mins, 64, 2048, seed=5)
+    tiled = kernels.tile_int4(qweight, scales, mins)
+    try:
+        for rows in (1, 3, 4, 7, 64):
+            x = torch.randn(rows, 2048) * 2
+            x[0, 7] = 90.0  # a coarse block: activation bytes of both signs at full range
+            lib.brisk_kernels_force_isa(3)
+            vnni = kernels.quant_matmul(x, *tiled, 4)
+            lib.brisk_kernels_force_isa(2)
+            avx2 = kernels.quant_matmul(x, *tiled, 4)
+            assert torch.equal(vnni, avx2), (rows, float((vnni - avx2).abs().max()))
+    finally:
+        lib.brisk_kernels_force_isa(-1)
 
 
 def test_quant_linear_adds_bias_and_keeps_input_shape():

@@ -47,8 +47,8 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.brisk_quant_matmul.argtypes = [p, p, p, p, ctypes.c_int, ctypes.c_int, i64, i64, i64, p, p, p, p]
     lib.brisk_quant_matmul.restype = None
     lib.brisk_kernels_isa.restype = ctypes.c_int
-    lib.brisk_kernels_force_scalar.argtypes = [ctypes.c_int]
-    lib.brisk_kernels_force_scalar.restype = None
+    lib.brisk_kernels_force_isa.argtypes = [ctypes.c_int]
+    lib.brisk_kernels_force_isa.restype = None
     lib.brisk_paged_decode_attention.argtypes = [p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64,
                                                  ctypes.c_float, i64, i64, p]
     lib.brisk_paged_decode_attention.restype = ctypes.c_int
@@ -98,7 +98,7 @@ def isa() -> str:
     lib = library()
     if lib is None:
         return "torch-reference"
-    return {2: "avx2"}.get(lib.brisk_kernels_isa(), "scalar")
+    return {3: "avx512vnni", 2: "avx2"}.get(lib.brisk_kernels_isa(), "scalar")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

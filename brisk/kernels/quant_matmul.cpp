@@ -15,7 +15,8 @@
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py); threads come from OpenMP, the
 // same libgomp that PyTorch already loaded, so they share its thread team.
-// An AVX2 path is chosen at run time; other CPUs take the portable scalar loop.
+// An AVX2 path is chosen at run time (the tiled int4 kernel in AVX-512 VNNI where the CPU has it);
+// other CPUs take the portable scalar loop.
 
 #include <cmath>
 #include <cstdint>
@@ -338,6 +339,51 @@ void tile_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_
     for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
 }
 
+// The same tile with AVX-512 VNNI: vpdpbusd multiplies 4 weight bytes by 4 activation bytes and adds
+// them into an int32 lane in one instruction, 16 lanes at once. A zmm holds two of the tile's
+// 32-byte vectors (v, v+1); the activations' 4-byte groups for v and v+1 are spread over the two
+// halves with one permute. Four vpdpbusd cover a block for one activation row (the AVX2 loop: 8
+// maddubs, 8 int16 adds, a madd), and the halves are then added. Every block's integer sum is
+// exact in both paths, and the float steps after it are the AVX2 loop's, in the same order: the
+// results are bit for bit the AVX2 kernel's (tests compare them).
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+void tile_rows_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* wt = w.q + tile * nb * 128;
+    const uint16_t* dt = w.d + tile * nb * NR;
+    const uint16_t* mt = w.m ? w.m + tile * nb * NR : nullptr;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    // dword g of the block's 32 activation bytes into lanes 0-7, dword g + 1 into lanes 8-15
+    const __m512i lo01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i lo23 = _mm512_add_epi32(lo01, _mm512_set1_epi32(2));
+    const __m512i hi01 = _mm512_add_epi32(lo01, _mm512_set1_epi32(4));
+    const __m512i hi23 = _mm512_add_epi32(lo01, _mm512_set1_epi32(6));
+    const __m256 minus8 = _mm256_set1_ps(-8.f);
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512i raw01 = _mm512_loadu_si512(wt + b * 128), raw23 = _mm512_loadu_si512(wt + b * 128 + 64);
+        const __m512i wl01 = _mm512_and_si512(raw01, low), wh01 = _mm512_and_si512(_mm512_srli_epi16(raw01, 4), low);
+        const __m512i wl23 = _mm512_and_si512(raw23, low), wh23 = _mm512_and_si512(_mm512_srli_epi16(raw23, 4), low);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + b * NR)));
+        const __m256 m8 = mt ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mt + b * NR))) : _mm256_mul_ps(d8, minus8);
+        for (int i = 0; i < MT; i++) {
+            const __m512i y = _mm512_castsi256_si512(
+                _mm256_loadu_si256((const __m256i*)(a.q + (r0 + i) * K + b * QK)));
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl01, _mm512_permutexvar_epi32(lo01, y));
+            s = _mm512_dpbusd_epi32(s, wh01, _mm512_permutexvar_epi32(hi01, y));
+            s = _mm512_dpbusd_epi32(s, wl23, _mm512_permutexvar_epi32(lo23, y));
+            s = _mm512_dpbusd_epi32(s, wh23, _mm512_permutexvar_epi32(hi23, y));
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+            const __m256 tot = _mm256_cvtepi32_ps(s8);
+            acc[i] = _mm256_fmadd_ps(tot, _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
+}
+
 // Weight row n of the tiled layout, one activation row, portable (same math as dot_scalar).
 float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
     const int64_t nb = K / QK, tile = n / NR, j = n % NR;
@@ -371,26 +417,37 @@ void rows_avx2(const Weights& w, const Acts& a, int64_t r, int64_t n_begin, int6
     }
 }
 
-bool force_scalar = false;  // tests run the portable path on any CPU
-
-bool has_avx2() {
-    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                            __builtin_cpu_supports("f16c");
-    return yes && !force_scalar;
+// 0 scalar, 2 AVX2, 3 AVX2 + AVX-512 VNNI for the tiled int4 kernel
+int detected_isa() {
+    static const int isa = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c")) ? 0
+        : __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") ? 3 : 2;
+    return isa;
 }
+
+int forced_isa = -1;  // -1: the best the CPU has; tests pin a lower path on any CPU
+
+int kernel_isa() { return forced_isa >= 0 ? std::min(forced_isa, detected_isa()) : detected_isa(); }
+
+bool has_avx2() { return kernel_isa() >= 2; }
 
 constexpr int64_t ROWS_PER_TASK = 8;  // weight rows a thread takes at a time (stay in L1/L2 across row tiles)
 constexpr int MT = 4;                 // activation rows per register tile
 
 void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
-    const bool avx2 = has_avx2();
+    const bool avx2 = has_avx2(), vnni = kernel_isa() >= 3;
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t n_end = std::min(N, (t + 1) * ROWS_PER_TASK);
         const int64_t n_begin = t * ROWS_PER_TASK;
         if (w.tiled) {  // ROWS_PER_TASK == NR: one tile
-            if (avx2) {
+            if (vnni) {
+                int64_t r = 0;
+                for (; r + 4 <= M; r += 4) tile_rows_vnni<4>(w, t, a, r, K, out, N);
+                for (; r < M; r++) tile_rows_vnni<1>(w, t, a, r, K, out, N);
+            } else if (avx2) {
                 int64_t r = 0;
                 for (; r + 4 <= M; r += 4) tile_rows<4>(w, t, a, r, K, out, N);
                 for (; r < M; r++) tile_rows<1>(w, t, a, r, K, out, N);
@@ -442,8 +499,9 @@ void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, c
     matmul(w, a, M, N, K, out);
 }
 
-int brisk_kernels_isa() { return has_avx2() ? 2 : 0; }
+int brisk_kernels_isa() { return kernel_isa(); }
 
-void brisk_kernels_force_scalar(int on) { force_scalar = on != 0; }
+// -1: the best path this CPU has; else at most 0 scalar, 2 AVX2, 3 AVX-512 VNNI (tests pin a path)
+void brisk_kernels_force_isa(int isa) { forced_isa = isa; }
 
 }  // extern "C"
