@@ -149,16 +149,17 @@ def test_tiled_rows_do_not_depend_on_the_batch(isa, has_mins):
 
 @pytest.mark.parametrize("has_mins", [False, True])
 def test_tiled_vnni_kernel_is_the_avx2_kernel_bit_for_bit(has_mins):
-    """The AVX-512 VNNI tile loop sums each block's products exactly in int32 (as AVX2's int16
-    partial sums do) and then takes the same float steps: the two must agree bit for bit, so a
-    model's outputs do not depend on which of these CPUs serves it."""
+    """The AVX-512 VNNI tile loops (one tile, and two tiles at once) sum each block's products
+    exactly in int32 (as AVX2's int16 partial sums do) and then take the same float steps: they
+    must agree with AVX2 bit for bit, so a model's outputs do not depend on which of these CPUs
+    serves it, nor on which loop a row count picks."""
     lib = kernels.library()
     if kernels.isa() != "avx512vnni":
         pytest.skip("this CPU has no AVX-512 VNNI")
-    qweight, scales, mins = random_blocks(4, has_mins, 64, 2048, seed=5)
+    qweight, scales, mins = random_blocks(4, has_mins, 72, 2048, seed=5)  # 9 tiles: 4 pairs and one alone
     tiled = kernels.tile_int4(qweight, scales, mins)
     try:
-        for rows in (1, 3, 4, 7, 64):
+        for rows in (1, 3, 4, 7, 8, 9, 17, 64):  # the one-tile loop below 8 rows, tile pairs from 8
             x = torch.randn(rows, 2048) * 2
             x[0, 7] = 90.0  # a coarse block: activation bytes of both signs at full range
             lib.brisk_kernels_force_isa(3)
