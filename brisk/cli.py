@@ -48,6 +48,10 @@ def _add_engine_args(p) -> None:
                    help="share the KV blocks of a common prompt prefix (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="the same as --no-enable-prefix-caching")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's greedy output does not depend on what it is batched with, for quantized "
+                        "models too (prompt tokens attend row by row: slower prefill; vLLM's "
+                        "VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's flag: speculative decoding, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
@@ -107,7 +111,8 @@ def build_engine(args: argparse.Namespace, loaded):
         # the target's device, dtype and quantization; positions up to the target's context
         draft = load(speculative.model, device=str(loaded.device), dtype=args.dtype, quantization=args.quantization,
                      max_model_len=loaded.max_model_len, warmup=False)
-    return LLMEngine(loaded, cache, sched, seed=args.seed or 0, speculative=speculative, draft=draft)
+    return LLMEngine(loaded, cache, sched, seed=args.seed or 0, speculative=speculative, draft=draft,
+                     batch_invariant=args.batch_invariant)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,13 +2,14 @@
 under a KV pool so small that preemption happens), agreement with the simple path,
 sampling, stop strings, aborts and prefix sharing.
 
-NOTE: batch invariance is asserted on the float32 model (`--quantization none`). With the
-quantized kernels' int8 activation blocks it does not hold end to end: the matmul kernel is
-batch-invariant (tests/test_quant.py), but attention's float32 rounding differs with the
-batch's shape (padding masks, prefill chunk boundaries) by ~1e-7, and rounding activations
-to int8 turns such a difference into a whole int8 step now and then, which can flip a greedy
-token. A fixed-order paged attention kernel (issue 13) is what removes the upstream
-difference."""
+NOTE: by default batch invariance is asserted on the float32 model (`--quantization none`).
+With the quantized kernels' int8 activation blocks it does not hold end to end by default:
+the matmul kernel is batch-invariant (tests/test_quant.py), but SDPA's prefill attention rounds
+differently with the chunking of a prompt (which depends on what shares the step) by ~1e-7,
+and rounding activations to int8 turns such a difference into a whole int8 step now and then,
+which can flip a greedy token. `batch_invariant=True` (`--batch-invariant`) runs prompt tokens
+through the fixed-order paged kernel row by row: the quantized model is then invariant too,
+asserted below."""
 
 import math
 
@@ -18,6 +19,7 @@ from brisk.config import CacheConfig
 from brisk.engine.engine import LLMEngine, RequestError
 from brisk.engine.sampling_params import SamplingParams, SamplingParamsError
 from brisk.engine.scheduler import SchedulerConfig
+from brisk.errors import BriskError
 from brisk.generate import generate_ids
 
 from test_demo_reference import PROMPTS
@@ -37,11 +39,12 @@ def prompts64(demo):
     return [demo.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
-def make_engine(demo, num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, prefix=True, block_size=16):
+def make_engine(demo, num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, prefix=True, block_size=16,
+                batch_invariant=False):
     return LLMEngine(demo, CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks or 2048,
                                        enable_prefix_caching=prefix),
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=1024))
+                                     max_model_len=1024), batch_invariant=batch_invariant)
 
 
 def run(engine, prompts, params, wave=None):
@@ -94,6 +97,32 @@ def test_greedy_invariance_under_preemption(demo_fp32, prompts64, one_at_a_time)
     stats = engine.stats()
     assert stats.num_preemptions > 0
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
+@pytest.fixture(scope="module")
+def int4_one_at_a_time(demo, prompts64):
+    return run(make_engine(demo, batch_invariant=True), prompts64, GREEDY, wave=1)
+
+
+@pytest.mark.parametrize("wave", [8, 64])
+def test_quantized_greedy_batch_invariance_in_batch_invariant_mode(demo, prompts64, int4_one_at_a_time, wave):
+    """The demo's Q4_1 weights served as int4: alone, in waves of 8 and of 64 (where prompts are
+    chunked by the 512-token budget and share steps with decodes), the same greedy tokens."""
+    assert run(make_engine(demo, batch_invariant=True), prompts64, GREEDY, wave=wave) == int4_one_at_a_time
+
+
+def test_quantized_greedy_invariance_under_preemption_in_batch_invariant_mode(demo, prompts64, int4_one_at_a_time):
+    """Preempted requests recompute their K/V from prompt + outputs as prompt chunks: row by row,
+    the same bits as the decode steps that first wrote them."""
+    engine = make_engine(demo, num_blocks=64, batch_invariant=True)
+    assert run(engine, prompts64, GREEDY) == int4_one_at_a_time
+    assert engine.stats().num_preemptions > 0
+
+
+def test_batch_invariant_mode_needs_the_compiled_kernel(demo, monkeypatch):
+    monkeypatch.setenv("BRISK_ATTENTION", "torch")
+    with pytest.raises(BriskError, match="--batch-invariant needs"):
+        make_engine(demo, batch_invariant=True)
 
 
 def test_prefix_sharing_saves_blocks_and_keeps_outputs(demo):

