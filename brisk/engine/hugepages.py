@@ -8,9 +8,13 @@ with 2 MB pages when asked (madvise MADV_HUGEPAGE; the default policy on most di
 (benchmarks/decode_attention.py --hugepages): 6.46 -> 5.74 ms per layer with float32 KV,
 3.64 -> 2.76 ms with bfloat16.
 
-Memory stays lazy: pages are still mapped on first write, 2 MB at a time instead of 4 KB, so the
-pool's resident size grows by at most one huge page per tensor ahead of the blocks in use. Where
-the kernel refuses (another OS, THP disabled), the buffer is the plain one: nothing else changes.
+Memory stays lazy: pages are still mapped on first write, 2 MB at a time instead of 4 KB. Each
+layer's slice of the K and of the V pool is written from its own start, so resident memory runs
+ahead of the blocks in use by at most one huge page per layer and pool. For the demo's 30 layers
+that is up to 120 MB: its server's RSS after a short-prompt benchmark went from 1,120 to
+1,253-1,270 MB in a same-run A/B. Once the pool has cycled through its blocks (the free queue is
+LRU), all of it is resident either way. Where the kernel refuses (another OS, THP disabled), the
+buffer is the plain one and nothing else changes.
 """
 
 from __future__ import annotations
