@@ -51,3 +51,18 @@ def test_written_pool_is_backed_by_huge_pages():
         plain = PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU, huge_pages=False)
         plain.k.fill_(1.0)
         assert anon_huge_kb(plain.k.data_ptr()) == 0
+
+
+@pytest.mark.skipif(not THP.exists() or "[madvise]" not in THP.read_text(),
+                    reason="only under the madvise policy does asking make the difference")
+def test_hugepages_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("BRISK_KV_HUGEPAGES", "off")
+    cache = PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)
+    cache.k.fill_(1.0)
+    assert anon_huge_kb(cache.k.data_ptr()) == 0
+
+
+def test_a_bad_hugepages_setting_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("BRISK_KV_HUGEPAGES", "yes")
+    with pytest.raises(ValueError, match="BRISK_KV_HUGEPAGES='yes': expected 'on' or 'off'"):
+        PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)

@@ -14,7 +14,7 @@ ahead of the blocks in use by at most one huge page per layer and pool. For the 
 that is up to 120 MB: its server's RSS after a short-prompt benchmark went from 1,120 to
 1,253-1,270 MB in a same-run A/B. Once the pool has cycled through its blocks (the free queue is
 LRU), all of it is resident either way. Where the kernel refuses (another OS, THP disabled), the
-buffer is the plain one and nothing else changes.
+buffer is the plain one and nothing else changes. `BRISK_KV_HUGEPAGES=off` asks for 4 KB pages.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import sys
 
 import torch
@@ -44,9 +45,19 @@ def _madvise():
     return fn
 
 
+def requested() -> bool:
+    """BRISK_KV_HUGEPAGES: on (default) or off."""
+    choice = os.environ.get("BRISK_KV_HUGEPAGES", "on")
+    if choice not in ("on", "off"):
+        raise ValueError(f"BRISK_KV_HUGEPAGES={choice!r}: expected 'on' or 'off'")
+    return choice == "on"
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge: bool = True) -> torch.Tensor:
-    """torch.empty(shape), on CPU aligned to 2 MB and advised to use huge pages when `huge` and the
-    buffer spans at least one huge page. The pages are not touched here."""
+    """torch.empty(shape), on CPU aligned to 2 MB and advised to use huge pages when `huge`,
+    BRISK_KV_HUGEPAGES is not off, and the buffer spans at least one huge page. The pages are not
+    touched here."""
+    huge = huge and requested()
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     madvise = _madvise() if huge and device.type == "cpu" and nbytes >= HUGE_PAGE else None
     if madvise is None:
