@@ -186,6 +186,17 @@ AVX2 __m256 hsum8x8(const __m256* d) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
+// Stores 8 tokens' scores at dst (32-byte aligned); lanes from `left` on lie past the run (they
+// read its last row) and are stored as -inf, so that exp turns them into 0.
+AVX2 void store_scores8(float* dst, __m256 sums, int64_t left) {
+    if (left < 8) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 past = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)(left - 1))));
+        sums = _mm256_blendv_ps(sums, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), past);
+    }
+    _mm256_store_ps(dst, sums);
+}
+
 // acc[0 .. 8W) = acc * corr + sum over t < n of p[t] * v[t * stride + (0 .. 8W)]
 template <typename KV, int W>
 AVX2 void accumulate_v(float* acc, const KV* v, const float* p, int64_t n, int64_t stride, __m256 corr) {
@@ -219,7 +230,6 @@ __attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int64_t row, i
             _mm256_store_ps(qs + g * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * v), scale));
         }
     }
-    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t pos = start; pos < end;) {
         const int64_t off = pos % bs;
         const int64_t n = std::min<int64_t>({bs - off, end - pos, CHUNK});
@@ -242,13 +252,7 @@ __attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int64_t row, i
                         for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, load8(rows8[j] + 8 * v), d[j]);
                     }
                     __m256 sums = hsum8x8(d);
-                    if (n - t0 < 8) {
-                        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                        const __m256 past = _mm256_castsi256_ps(
-                            _mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)(n - t0 - 1))));
-                        sums = _mm256_blendv_ps(sums, neg_inf, past);
-                    }
-                    _mm256_store_ps(&s[g][t0], sums);
+                    store_scores8(&s[g][t0], sums, n - t0);
                     prefetch.k_step();
                 }
             }
@@ -363,7 +367,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void item
             _mm512_store_ps(qs + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), scale));
         }
     }
-    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t pos = start; pos < end;) {
         const int64_t off = pos % bs;
         const int64_t n = std::min<int64_t>({bs - off, end - pos, CHUNK});
@@ -386,13 +389,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void item
                     __m256 h[8];
                     for (int j = 0; j < 8; j++) h[j] = fold16(d[j]);
                     __m256 sums = hsum8x8(h);
-                    if (n - t0 < 8) {
-                        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                        const __m256 past = _mm256_castsi256_ps(
-                            _mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)(n - t0 - 1))));
-                        sums = _mm256_blendv_ps(sums, neg_inf, past);
-                    }
-                    _mm256_store_ps(&s[g][t0], sums);
+                    store_scores8(&s[g][t0], sums, n - t0);
                     prefetch.k_step();
                 }
                 // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the run's scores, -inf
