@@ -113,14 +113,15 @@ def main() -> None:
     print(f"{args.rows} rows x ~{args.context} tokens ({sum(lengths)} in all), heads {args.heads}/{args.kv_heads}, "
           f"head_dim {args.head_dim}, {args.dtype} KV, block size {bs}; threads {torch.get_num_threads()}, "
           f"kernel ISA {kernels.attention_isa()}")
-    print(f"read bandwidth {bandwidth:.1f} GB/s ({how}; {before:.1f} before the timings, {after:.1f} after); K/V bytes per layer {kv_bytes / 2**20:.1f} MiB "
-          f"-> read-once bound {bound * 1e3:.2f} ms")
+    print(f"read bandwidth {bandwidth:.1f} GB/s ({how}; {before:.1f} before the timings, {after:.1f} after); "
+          f"K/V bytes per layer {kv_bytes / 2**20:.1f} MiB -> read-once bound {bound * 1e3:.2f} ms")
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
         print(f"  {name:20s} median {medians[name] * 1e3:8.2f} ms per layer ({medians[name] / bound:5.2f}x the bound), "
               f"best {min(t) * 1e3:8.2f} ms ({min(t) / bound:5.2f}x)")
     served = f"kernel {kernels.attention_isa()}"
     print(f"  {served} speed-up over torch: {medians['torch (gather+SDPA)'] / medians[served]:.2f}x (medians)")
+
 
 if __name__ == "__main__":
     main()

@@ -74,7 +74,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, self.num_blocks, bs, seed, batch_invariant=batch_invariant)
         if batch_invariant:
             log.info("batch-invariant mode: prompt tokens attend row by row (greedy output independent of the "
-                     "batch; slower prefill)")
+                     "batch; prefill slower on long prompts)")
         self.spec_config = speculative
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         self.drafter = None
