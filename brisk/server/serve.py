@@ -85,7 +85,18 @@ def warn_about_key_flag(args: argparse.Namespace) -> None:
 
 def load_async_engine(args: argparse.Namespace, max_model_len: int, chat_template: str | None, build_engine,
                       report: LoadReport):
-    """Load the model and start its engine thread (single-process serve, and each Ray Serve replica)."""
+    """Load the model and start its engine thread (single-process serve, and each Ray Serve replica).
+
+    The loading runs on a thread that then exits (brisk.engine.omp_teams): the caller's thread may
+    live on (Ray Serve's constructor thread does), and an OpenMP team left on it would make the
+    engine's own team sleep at every barrier."""
+    from brisk.engine.omp_teams import call_in_own_thread
+
+    return call_in_own_thread(_load_async_engine, args, max_model_len, chat_template, build_engine, report)
+
+
+def _load_async_engine(args: argparse.Namespace, max_model_len: int, chat_template: str | None, build_engine,
+                       report: LoadReport):
     with report.phase("imports"):
         from brisk.engine.async_engine import AsyncLLMEngine
         from brisk.loading.loader import load
