@@ -10,7 +10,7 @@
 2. Overhead of the Ray path: single-process `brisk serve` vs `brisk serve --replicas 1
    --replica-cpus 2` (same cores, same engine), both up at once and measured in interleaved rounds,
    at 1 and 16 streams, short chat prompts, 64-token replies (ignore_eos): output tok/s, TTFT p50.
-   `--stream-interval N` passes that flag to the Ray server (tokens per replica -> ingress message).
+   `--stream-interval N` and `--replica-stream socket|ray` pass those flags to the Ray server.
 
 Prints the machine's read bandwidth beside the figures (these machines vary 2x from day to day).
 
@@ -118,6 +118,8 @@ def part_overhead(args, work: Path) -> list[str]:
     ray_cmd = [*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2)]
     if args.stream_interval != 1:
         ray_cmd += ["--stream-interval", str(args.stream_interval)]
+    if args.replica_stream:
+        ray_cmd += ["--replica-stream", args.replica_stream]
     systems = {one: (base, None), ray: (ray_cmd, 1)}
     rng = random.Random(1)
     procs, urls = [], {}
@@ -157,6 +159,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of part 2")
     parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica (default: ~5 of the 8 prompts)")
     parser.add_argument("--stream-interval", type=int, default=1, help="part 2: the Ray server's --stream-interval")
+    parser.add_argument("--replica-stream", choices=["socket", "ray"], default=None,
+                        help="part 2: the Ray server's --replica-stream (default: its default, socket)")
     args = parser.parse_args()
     gbs, _ = read_bandwidth_gbs()
     print(f"read bandwidth: {gbs:.1f} GB/s, {os.cpu_count()} cores", flush=True)

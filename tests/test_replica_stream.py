@@ -51,3 +51,35 @@ def test_stream_interval_batches_tokens_without_losing_any(replica):
     assert sizes[0] == 1  # the first token goes at once (time to first token unchanged)
     assert all(size >= 4 for size in sizes[1:-1]) and len(four) < len(one)
     assert len(one) - 1 >= 15  # interval 1: about one message per step (a few steps may coalesce)
+
+
+def test_with_a_channel_outputs_take_the_socket_and_the_ray_stream_only_accepts(replica):
+    """brisk.cluster.channel: the outputs of a real engine arrive whole and in order over the
+    ingress's listener, and the Ray stream carries only the accept (then ends, the last output sent)."""
+    from brisk.cluster.channel import OutputListener
+
+    prompt = replica.engine.tokenizer.encode_chat([{"role": "user", "content": "Name three rivers."}])
+    replica.stream_interval = 1
+
+    async def run():
+        received = []
+        listener = OutputListener("127.0.0.1", lambda rid, item: received.append((rid, item)) or True,
+                                  lambda rids, message: None)
+        address = await listener.address()
+        ray_items = [item async for item in replica.generate(
+            prompt, SamplingParams(max_tokens=17, temperature=0, ignore_eos=True), request_id="via-channel",
+            channel=address)]
+        for _ in range(100):  # the last frame is on the socket when the Ray stream ends; let it be read
+            if received and received[-1][1][-1].finished:
+                break
+            await asyncio.sleep(0.05)
+        listener.close()
+        return ray_items, received
+
+    ray_items, received = asyncio.run(run())
+    assert ray_items == [("accepted",)]
+    assert {rid for rid, _ in received} == {"via-channel"}
+    outputs = [o for _, batch in received for o in batch]
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    deltas = [t for o in outputs for t in o.delta_token_ids]
+    assert deltas == outputs[-1].token_ids and len(deltas) == 17

@@ -66,8 +66,10 @@ def test_mistakes_fail_fast_in_one_line(argv, needle):
     (["--replicas", "2", "--target-ongoing-requests", "0"], "--target-ongoing-requests must be > 0"),
     (["--replicas", "1", "--stream-interval", "0"], "--stream-interval must be >= 1 (tokens per message), got 0"),
     (["--stream-interval", "4"], "--stream-interval applies to Ray Serve only; add --replicas N"),
+    (["--replica-stream", "ray"], "--replica-stream applies to Ray Serve only; add --replicas N"),
 ], ids=["zero-replicas", "min-over-max", "outside-range", "too-many-cpus", "unreachable", "bad-address",
-        "address-without-replicas", "target", "stream-interval", "stream-interval-without-replicas"])
+        "address-without-replicas", "target", "stream-interval", "stream-interval-without-replicas",
+        "replica-stream-without-replicas"])
 def test_scale_out_mistakes_fail_fast_without_starting_ray(argv, needle):
     line, _, imported = serve_fails(*argv)
     assert needle in line, line

@@ -54,9 +54,15 @@ class Ingress:
 
             tracer = RequestTracer.otlp(args.otlp_endpoint, service_name=f"brisk:{config.served_model_name}")
 
+        host = None
+        if getattr(args, "replica_stream", None) in (None, "socket"):
+            import ray
+
+            host = ray.util.get_node_ip_address()  # replicas may run on other nodes
+
         def factory(report):
             with report.phase("engine"):
-                return RemoteEngine.connect(engine_handle, max_replicas)
+                return RemoteEngine.connect(engine_handle, max_replicas, host)
 
         self.state = ServerState(config, factory, tracer=tracer)
         attach_router_metrics(self.state)

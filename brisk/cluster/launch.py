@@ -52,7 +52,7 @@ def serve_cluster(args: argparse.Namespace, checked, settings: ClusterSettings) 
                 log.info("deploying %s engine replica(s), %g CPU each", scaling, settings.replica_cpus)
                 handle = serve.run(engine_application(args, checked, settings), name=APP_NAME, route_prefix=None,
                                    blocking=False)
-                engine = RemoteEngine.connect(handle, settings.max_replicas)
+                engine = RemoteEngine.connect(handle, settings.max_replicas, channel_host(ray, settings))
             log.info("replicas ready after %.1f s (Ray Serve)", time.monotonic() - started)
             return engine
 
@@ -62,6 +62,16 @@ def serve_cluster(args: argparse.Namespace, checked, settings: ClusterSettings) 
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def channel_host(ray, settings: ClusterSettings) -> str | None:
+    """Where the replicas' output channel reaches this process (brisk.cluster.channel): loopback for
+    a local Ray instance, else this node's address in the cluster; None with --replica-stream ray."""
+    if settings.replica_stream != "socket":
+        return None
+    if settings.ray_address is None:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
 
 
 def _check_resources(ray, settings: ClusterSettings) -> None:

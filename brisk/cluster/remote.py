@@ -4,9 +4,12 @@ layer (brisk.server.app) is the single-process server's, unchanged.
 Each request becomes one streaming call on the engine deployment's handle, routed by
 brisk.cluster.router with the prompt's full-block hashes. The replica's first item says whether it
 accepted the request (validation errors are raised here, before any response byte, as in one
-process); then a task moves its outputs into the HTTP request's queue. A replica that dies
-mid-stream ends the stream with a 503 `replica_lost` error event, never a hang; one that dies
-before accepting is retried on another replica (nothing was generated yet).
+process). Its outputs then arrive over this ingress's output channel (brisk.cluster.channel; one
+TCP frame per engine step for all streams), or as further items of the Ray stream with
+`--replica-stream ray`; either way they go straight into the HTTP request's queue. A replica that
+dies mid-stream (its Ray call raises, or its channel connection drops) ends the stream with a 503
+`replica_lost` error event, never a hang; one that dies before accepting is retried on another
+replica (nothing was generated yet).
 """
 
 from __future__ import annotations
@@ -39,14 +42,21 @@ class ReplicaParamError(ValueError):
         self.field = field
 
 
-def _replica_lost(request_id: str, error: BaseException) -> APIError:
+def _replica_lost(request_id: str, why: str) -> APIError:
     return APIError(503, f"the replica serving request {request_id} stopped before it finished "
-                         f"({type(error).__name__}); send it again: the other replicas take new requests",
+                         f"({why}); send it again: the other replicas take new requests",
                     code="replica_lost", headers={"Retry-After": "1"})
 
 
+def _engine_dead(message: str) -> APIError:
+    return APIError(503, f"a replica's engine stopped ({message}); Ray Serve replaces it, retry",
+                    code="engine_dead", headers={"Retry-After": "1"})
+
+
 class RemoteEngine:
-    def __init__(self, handle, info: dict[str, Any], max_replicas: int):
+    def __init__(self, handle, info: dict[str, Any], max_replicas: int, channel_host: str | None = None):
+        """`channel_host`: where this ingress listens for the replicas' outputs (None: they come
+        as Ray stream items)."""
         from tokenizers import Tokenizer as FastTokenizer
 
         from brisk.tokenizer import Tokenizer
@@ -63,13 +73,19 @@ class RemoteEngine:
         # what brisk.server.state reads of a loaded model
         self.loaded = SimpleNamespace(tokenizer=tokenizer, dtype=info["dtype"], device=info["device"],
                                       report=report, config=SimpleNamespace(vocab_size=info["vocab_size"]))
-        self._tasks: dict[str, tuple[asyncio.Task, Any, tuple[asyncio.Queue, Any]]] = {}
+        self._tasks: dict[str, tuple[asyncio.Task, Any]] = {}
+        self._open: dict[str, tuple[asyncio.Queue, Any]] = {}  # request id -> its HTTP sink, until it ends
         self._stopped = False
+        self._listener = None
+        if channel_host is not None:
+            from brisk.cluster.channel import OutputListener
+
+            self._listener = OutputListener(channel_host, self._deliver, self._channel_lost)
 
     @classmethod
-    def connect(cls, handle, max_replicas: int) -> "RemoteEngine":
+    def connect(cls, handle, max_replicas: int, channel_host: str | None = None) -> "RemoteEngine":
         """Blocking (a worker thread): waits for a replica to answer, i.e. for one to have loaded."""
-        return cls(handle, handle.info.remote().result(), max_replicas)
+        return cls(handle, handle.info.remote().result(), max_replicas, channel_host)
 
     # -- what the server reads -------------------------------------------------------------
     @property
@@ -104,12 +120,32 @@ class RemoteEngine:
         wire = params
         if params is not None and getattr(params, "grammar", None) is not None:
             wire = dataclasses.replace(params, grammar=params.grammar.spec)  # compiled on the replica
+        channel = await self._listener.address() if self._listener is not None else None
+        self._open[request_id] = sink  # before the call: the channel may bring outputs before the accept
+        try:
+            first, gen = await self._call(prompt, wire, request_id, priority, cache_salt, hashes, channel)
+        except BaseException:
+            self._open.pop(request_id, None)
+            raise
+        if first[0] != "accepted":
+            self._open.pop(request_id, None)
+            if first[0] == "invalid":
+                raise ReplicaParamError(first[1], first[2])
+            if first[0] == "lost":
+                raise _replica_lost(request_id, first[1])
+            raise _engine_dead(first[1])
+        task = asyncio.create_task(self._pump(gen, request_id))
+        self._tasks[request_id] = (task, gen)
+        task.add_done_callback(lambda _t, rid=request_id: self._tasks.pop(rid, None))
+        return RequestStream(self, request_id, sink[0])  # the handle to close (abort); outputs go to the sink
+
+    async def _call(self, prompt, wire, request_id, priority, cache_salt, hashes, channel):
+        """The replica's first item and its stream, trying another replica if one dies before accepting."""
         for attempt in range(ADD_ATTEMPTS):
             gen = _outside_request(self._stream.remote, prompt, wire, request_id, priority, cache_salt,
-                                   prefix_hashes=hashes)
+                                   prefix_hashes=hashes, channel=channel)
             try:
-                first = await gen.__anext__()
-                break
+                return await gen.__anext__(), gen
             except (asyncio.CancelledError, KeyboardInterrupt):
                 gen.cancel()
                 raise
@@ -117,40 +153,59 @@ class RemoteEngine:
                 log.warning("request %s: replica unavailable before accepting (%s); attempt %d of %d",
                             request_id, type(e).__name__, attempt + 1, ADD_ATTEMPTS)
                 if attempt + 1 == ADD_ATTEMPTS:
-                    raise _replica_lost(request_id, e) from None
-        if first[0] == "invalid":
-            raise ReplicaParamError(first[1], first[2])
-        if first[0] == "dead":
-            raise APIError(503, f"a replica's engine stopped ({first[1]}); Ray Serve replaces it, retry",
-                           code="engine_dead", headers={"Retry-After": "1"})
-        task = asyncio.create_task(self._pump(gen, sink, request_id))
-        self._tasks[request_id] = (task, gen, sink)
-        task.add_done_callback(lambda _t, rid=request_id: self._tasks.pop(rid, None))
-        return RequestStream(self, request_id, sink[0])  # the handle to close (abort); outputs go to the sink
+                    raise _replica_lost(request_id, type(e).__name__) from None
+        raise AssertionError("unreachable")
 
-    async def _pump(self, gen, sink: tuple[asyncio.Queue, Any], request_id: str) -> None:
+    def _deliver(self, request_id: str, item) -> bool:
+        """One item for a request (from the channel or the Ray stream) into its HTTP queue; whether the
+        request is still open after it. Items of a request that ended (aborted, failed) are dropped."""
+        sink = self._open.get(request_id)
+        if sink is None:
+            return False
         queue, tag = sink
+        if isinstance(item, tuple):  # ("dead" | "lost", message)
+            self._end(request_id, _engine_dead(item[1]) if item[0] == "dead" else _replica_lost(request_id, item[1]))
+            return False
+        for out in item:
+            out.produced_at = 0.0  # the replica's clock, maybe another host's: not comparable
+            queue.put_nowait((tag, out))
+        if item and item[-1].finished:
+            self._open.pop(request_id, None)
+            return False
+        return True
+
+    def _end(self, request_id: str, error: BaseException) -> None:
+        sink = self._open.pop(request_id, None)
+        if sink is not None:
+            queue, tag = sink
+            queue.put_nowait((tag, error))
+
+    def _channel_lost(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            log.warning("request %s: %s", request_id, message)
+            self._end(request_id, _replica_lost(request_id, message))
+
+    async def _pump(self, gen, request_id: str) -> None:
+        """Follows the request's Ray stream: its outputs with --replica-stream ray, its replica's death
+        either way. With the channel, the stream ends once the last output is on the socket."""
         try:
             async for item in gen:
-                if isinstance(item, tuple):  # ("dead", message): the replica's engine loop stopped
-                    queue.put_nowait((tag, APIError(503, f"a replica's engine stopped ({item[1]}); retry",
-                                                    code="engine_dead", headers={"Retry-After": "1"})))
-                    return
-                for out in item:
-                    out.produced_at = 0.0  # the replica's clock, maybe another host's: not comparable
-                    queue.put_nowait((tag, out))
+                self._deliver(request_id, item)
         except asyncio.CancelledError:
             gen.cancel()  # aborts the request on its replica
+            self._open.pop(request_id, None)
             raise
         except RayActorError as e:  # the replica died or became unreachable mid-stream
-            log.warning("request %s: its replica was lost mid-stream: %r", request_id, e)
-            queue.put_nowait((tag, _replica_lost(request_id, e)))
+            if request_id in self._open:
+                log.warning("request %s: its replica was lost mid-stream: %r", request_id, e)
+            self._end(request_id, _replica_lost(request_id, type(e).__name__))
         except Exception as e:  # noqa: BLE001 - a bug on the replica: an error event, never a hang
             log.error("request %s failed on its replica", request_id, exc_info=e)
-            queue.put_nowait((tag, APIError(500, "internal server error on a replica; the server log has the "
-                                                 "details")))
+            self._end(request_id, APIError(500, "internal server error on a replica; the server log has the "
+                                                "details"))
 
     def abort(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
         entry = self._tasks.pop(request_id, None)
         if entry is not None:
             entry[0].cancel()
@@ -158,12 +213,11 @@ class RemoteEngine:
     def fail(self, request_id: str, error: BaseException) -> None:
         entry = self._tasks.pop(request_id, None)
         if entry is not None:
-            task, _, (queue, tag) = entry
-            task.cancel()
-            queue.put_nowait((tag, error))
+            entry[0].cancel()
+        self._end(request_id, error)
 
     def fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._tasks):
+        for request_id in set(self._tasks) | set(self._open):  # a stream may have ended with outputs in flight
             self.fail(request_id, error)
 
     # -- observability ------------------------------------------------------------------------
@@ -187,6 +241,8 @@ class RemoteEngine:
 
     def shutdown(self) -> None:
         self._stopped = True
+        if self._listener is not None:
+            self._listener.close()
 
 
 def _outside_request(call, *args, **kwargs):

@@ -7,9 +7,13 @@ Serve. `check_health` fails once the engine loop died, so Serve replaces the rep
 The ingress (brisk.cluster.remote) speaks to it with plain picklable values:
 - `info()`: what the HTTP layer needs of the model (tokenizer, limits, load report);
 - `generate(...)`: a stream whose first item is ("accepted",) or ("invalid", message, field) or
-  ("dead", message), then lists of RequestOutputs (every output ready at once, one Ray message;
-  with --stream-interval N, held until N new tokens, except the first token and the last output),
-  ending with the finished one, or ("dead", message) if the engine loop died meanwhile;
+  ("dead", message). Then the outputs: lists of RequestOutputs (every output ready at once; with
+  --stream-interval N, held until N new tokens, except the first token and the last output),
+  ending with the finished one, or ("dead", message) if the engine loop died meanwhile. With a
+  `channel` (the ingress's (host, port, key), brisk.cluster.channel) they go over that TCP
+  connection, one frame per engine step for all of that ingress's streams, and the Ray stream ends
+  once the last one is on the socket, or yields ("lost", message) if the channel broke; without,
+  each list is one more item of the Ray stream (--replica-stream ray);
 - `stats()`: (replica id, EngineStats) for the ingress's /metrics.
 Closing the stream (client gone, timeout) cancels the generator here, which aborts the request.
 """
@@ -23,6 +27,7 @@ import logging
 import os
 from typing import Any
 
+from brisk.cluster.channel import ChannelPool
 from brisk.engine.errors import EngineDeadError
 from brisk.loading.report import LoadReport
 
@@ -40,6 +45,7 @@ class EngineReplica:
         self.block_size = args.block_size
         self.stream_interval = getattr(args, "stream_interval", None) or 1
         self._grammars = None
+        self._channels = ChannelPool()
         try:
             from ray import serve
 
@@ -74,13 +80,23 @@ class EngineReplica:
         }
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, priority: int = 0,
-                       cache_salt: str | None = None, prefix_hashes: list[bytes] | None = None):
+                       cache_salt: str | None = None, prefix_hashes: list[bytes] | None = None,
+                       channel: tuple[str, int, str] | None = None):
         """`prefix_hashes` is the router's (brisk.cluster.router); the engine hashes blocks itself."""
         try:
             params = await self._compile_grammar(params)
         except ValueError as e:
             yield ("invalid", str(e), getattr(e, "field", None))
             return
+        client = None
+        if channel is not None:
+            try:
+                client = await self._channels.get(tuple(channel))
+            except OSError as e:
+                yield ("lost", f"replica {self.replica_id} cannot reach the ingress's output channel at "
+                               f"{channel[0]}:{channel[1]} ({e}); check that the nodes can connect to each other "
+                               "on any port, or serve with --replica-stream ray")
+                return
         queue: asyncio.Queue = asyncio.Queue()
         try:
             stream = await self.engine.add(prompt_ids, params, request_id=request_id, priority=priority,
@@ -105,15 +121,26 @@ class EngineReplica:
                 finished = bool(outputs) and outputs[-1].finished
                 if pending and (failure is not None or finished or not sent_first
                                 or held_tokens >= self.stream_interval):
-                    yield pending
+                    if client is None:
+                        yield pending
+                    else:
+                        client.send(request_id, pending)
                     pending, held_tokens, sent_first = [], 0, True
                 if failure is not None:
                     stream.mark_done()
-                    yield ("dead", str(failure))
+                    if client is None:
+                        yield ("dead", str(failure))
+                    else:
+                        client.send(request_id, ("dead", str(failure)))
+                        await client.drain()
                     return
                 if finished:
                     stream.mark_done()
+                    if client is not None:
+                        await client.drain()
                     return
+        except ConnectionError as e:  # the channel to the ingress broke: this request ends here
+            yield ("lost", f"replica {self.replica_id} lost its output channel to the ingress: {e}")
         finally:  # finished: nothing to abort; cancelled (the ingress closed the stream): abort
             stream.close()
 

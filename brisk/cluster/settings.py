@@ -15,6 +15,7 @@ from brisk.errors import BriskError
 
 ROUTERS = {"prefix-affinity": "brisk.cluster.router.PrefixAffinityRouter",
            "pow2": "brisk.cluster.router.PowerOfTwoRouter"}
+REPLICA_STREAMS = ("socket", "ray")  # brisk.cluster.channel, or Ray streaming-generator items
 RAY_EXTRA_HINT = "install Ray Serve with: pip install 'brisk-llm[ray]' (the `ray` extra)"
 ADDRESS_TIMEOUT_S = 5.0
 
@@ -41,6 +42,10 @@ def add_arguments(p) -> None:
     p.add_argument("--router-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
                    help="prefix affinity yields to load when the affine replica has this many more ongoing "
                         f"requests than the least-loaded one (default {DEFAULT_MAX_IMBALANCE})")
+    p.add_argument("--replica-stream", default=None, choices=list(REPLICA_STREAMS),
+                   help="how replicas send tokens to the HTTP process: socket (default: one TCP connection per "
+                        "replica, one frame per engine step for all streams) or ray (a Ray streaming-generator "
+                        "message per stream and step; for clusters whose nodes may talk only over Ray's ports)")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="a replica sends each stream's tokens to the ingress this many at a time, the first at "
                         "once (vLLM's --stream-interval; default 1): fewer Ray messages, burstier streaming")
@@ -59,6 +64,7 @@ class ClusterSettings:
     router_max_imbalance: int
     request_router: str = "prefix-affinity"
     stream_interval: int = 1
+    replica_stream: str = "socket"
 
     @property
     def cpus_needed(self) -> float:
@@ -75,7 +81,8 @@ def from_args(args: argparse.Namespace, local_cpu_check: bool = True) -> Cluster
     cluster, whose autoscaler may add nodes)."""
     if not wants_cluster(args):
         given = [flag for flag, value in (("--ray-address", args.ray_address), ("--replica-gpus", args.replica_gpus),
-                                          ("--stream-interval", args.stream_interval)) if value is not None]
+                                          ("--stream-interval", args.stream_interval),
+                                          ("--replica-stream", args.replica_stream)) if value is not None]
         if given:
             flag = given[0]
             raise BriskError(f"{flag} applies to Ray Serve only; add --replicas N (or --min-replicas/--max-replicas)")
@@ -113,7 +120,8 @@ def from_args(args: argparse.Namespace, local_cpu_check: bool = True) -> Cluster
     if interval < 1:
         raise BriskError(f"--stream-interval must be >= 1 (tokens per message), got {interval}")
     settings = ClusterSettings(replicas, low, high, autoscale, args.target_ongoing_requests, args.replica_cpus,
-                               gpus, args.ray_address, args.router_max_imbalance, args.request_router, interval)
+                               gpus, args.ray_address, args.router_max_imbalance, args.request_router, interval,
+                               args.replica_stream or "socket")
     if settings.ray_address is None and local_cpu_check:
         cores = os.cpu_count() or 1
         if settings.cpus_needed > cores:
