@@ -10,7 +10,8 @@
 2. Overhead of the Ray path: single-process `brisk serve` vs `brisk serve --replicas 1
    --replica-cpus 2` (same cores, same engine), both up at once and measured in interleaved rounds,
    at 1 and 16 streams, short chat prompts, 64-token replies (ignore_eos): output tok/s, TTFT p50.
-   `--stream-interval N` and `--replica-stream socket|ray` pass those flags to the Ray server.
+   `--stream-interval N` passes that flag to the Ray servers; `--replica-stream socket,ray` runs one
+   Ray server per transport, all in the same interleaved rounds.
 
 Prints the machine's read bandwidth beside the figures (these machines vary 2x from day to day).
 
@@ -111,39 +112,48 @@ def part_shared_prefix(args, work: Path) -> list[str]:
 
 
 def part_overhead(args, work: Path) -> list[str]:
-    """Both servers up at once (Ray's idle daemons load the machine for both), runs interleaved
-    round by round, so the machine's drift hits both alike; the ratio is the median of the rounds'."""
+    """All servers up at once (Ray's idle daemons load the machine for all), runs interleaved round
+    by round in an order that rotates, so the machine's drift hits them alike; each Ray server's
+    ratio is the median of its rounds' ratios to one process."""
     base = [sys.executable, "-m", "brisk", "serve", MODEL_ID, "--max-model-len", "2048", "--kv-cache-memory", "1GiB"]
-    one, ray = "one process", f"Ray Serve, 1 replica x {os.cpu_count()} CPUs"
-    ray_cmd = [*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2)]
-    if args.stream_interval != 1:
-        ray_cmd += ["--stream-interval", str(args.stream_interval)]
-    if args.replica_stream:
-        ray_cmd += ["--replica-stream", args.replica_stream]
-    systems = {one: (base, None), ray: (ray_cmd, 1)}
+    one = "one process"
+    systems = {one: (base, None)}
+    for transport in args.replica_stream.split(","):
+        cmd = [*base, "--replicas", "1", "--replica-cpus", str(os.cpu_count() or 2), "--replica-stream", transport]
+        if args.stream_interval != 1:
+            cmd += ["--stream-interval", str(args.stream_interval)]
+        systems[f"Ray, --replica-stream {transport}"] = (cmd, 1)
+    rays = [name for name in systems if name != one]
     rng = random.Random(1)
     procs, urls = [], {}
     try:
-        for name, (cmd, replicas) in systems.items():
-            proc, urls[name] = start(cmd, work / f"overhead-{replicas or 0}.log", replicas)
+        for i, (name, (cmd, replicas)) in enumerate(systems.items()):
+            proc, urls[name] = start(cmd, work / f"overhead-{i}.log", replicas)
             procs.append(proc)
-        rows = ["| streams | round | one process tok/s | Ray Serve tok/s | ratio | TTFT p50 one / Ray |",
-                "|---|---|---|---|---|---|"]
+        rows = ["| streams | round | " + " | ".join(f"{name} tok/s" for name in systems) + " | "
+                + " | ".join(f"ratio {name}" for name in rays) + " | TTFT p50 " + " / ".join(systems) + " |",
+                "|---" * (3 + 2 * len(rays)) + "|---|"]
         for streams in (1, 16):
-            n = max(8, 2 * streams)
+            n = max(24, 2 * streams)  # a round lasts a few seconds at one stream
             requests = [BenchRequest(messages=[{"role": "user", "content": text(12, rng)}], max_tokens=64,
                                      extra={"temperature": 0, "ignore_eos": True}) for _ in range(n)]
             for url in urls.values():  # warm-up
                 asyncio.run(run_concurrency(url, MODEL_ID, requests[:2], min(2, streams), timeout_s=600))
-            ratios = []
+            ratios: dict[str, list[float]] = {name: [] for name in rays}
             for r in range(args.rounds):
-                s = {name: summarize(asyncio.run(run_concurrency(url, MODEL_ID, requests, streams, timeout_s=1800)))
-                     for name, url in urls.items()}
-                ratios.append(s[ray].output_throughput / s[one].output_throughput)
-                rows.append(f"| {streams} | {r + 1} | {s[one].output_throughput:.1f} | {s[ray].output_throughput:.1f} | "
-                            f"{ratios[-1]:.2f}x | {s[one].ttft.median * 1e3:.0f} / {s[ray].ttft.median * 1e3:.0f} ms |")
+                names = list(urls)
+                order = names[r % len(names):] + names[:r % len(names)]  # no server always first
+                s = {name: summarize(asyncio.run(run_concurrency(urls[name], MODEL_ID, requests, streams,
+                                                                 timeout_s=1800))) for name in order}
+                for name in rays:
+                    ratios[name].append(s[name].output_throughput / s[one].output_throughput)
+                rows.append(f"| {streams} | {r + 1} | "
+                            + " | ".join(f"{s[name].output_throughput:.1f}" for name in systems) + " | "
+                            + " | ".join(f"{ratios[name][-1]:.2f}x" for name in rays) + " | "
+                            + " / ".join(f"{s[name].ttft.median * 1e3:.0f}" for name in systems) + " ms |")
                 print(rows[-1], flush=True)
-            rows.append(f"| {streams} | median | | | **{statistics.median(ratios):.2f}x** | |")
+            rows.append(f"| {streams} | median | " + " | " * (len(systems) - 1) + " | "
+                        + " | ".join(f"**{statistics.median(ratios[name]):.2f}x**" for name in rays) + " | |")
             print(rows[-1], flush=True)
     finally:
         for proc in procs:
@@ -156,11 +166,11 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of part 2")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of part 2 (the order alternates)")
     parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica (default: ~5 of the 8 prompts)")
     parser.add_argument("--stream-interval", type=int, default=1, help="part 2: the Ray server's --stream-interval")
-    parser.add_argument("--replica-stream", choices=["socket", "ray"], default=None,
-                        help="part 2: the Ray server's --replica-stream (default: its default, socket)")
+    parser.add_argument("--replica-stream", default="socket",
+                        help="part 2: one Ray server per --replica-stream value, comma-separated (socket,ray)")
     args = parser.parse_args()
     gbs, _ = read_bandwidth_gbs()
     print(f"read bandwidth: {gbs:.1f} GB/s, {os.cpu_count()} cores", flush=True)

@@ -86,7 +86,9 @@ class OutputListener:
                         carried.add(request_id)
                     else:
                         carried.discard(request_id)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - EOF, reset, timeout, a bad frame: its open requests end
+            if not isinstance(e, (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ValueError)):
+                log.error("output channel from %s failed", peer, exc_info=e)
             if carried:
                 self._lost(sorted(carried), f"the output channel from {peer} closed ({type(e).__name__})")
         finally:
