@@ -133,14 +133,15 @@ def part_overhead(args, work: Path) -> list[str]:
         rows = ["| streams | round | " + " | ".join(f"{name} tok/s" for name in systems) + " | "
                 + " | ".join(f"ratio {name}" for name in rays) + " | TTFT p50 " + " / ".join(systems) + " |",
                 "|---" * (3 + 2 * len(rays)) + "|---|"]
-        for streams in (1, 16):
-            n = max(24, 2 * streams)  # a round lasts a few seconds at one stream
+        # one stream: many short rounds (6 requests, ~3 s), as this machine's speed drifts within
+        # seconds (one process alone varied 121-149 tok/s between 12 s rounds); 16 streams: 32 requests
+        for streams, n, rounds in ((1, 6, 3 * args.rounds), (16, 32, args.rounds)):
             requests = [BenchRequest(messages=[{"role": "user", "content": text(12, rng)}], max_tokens=64,
                                      extra={"temperature": 0, "ignore_eos": True}) for _ in range(n)]
             for url in urls.values():  # warm-up
                 asyncio.run(run_concurrency(url, MODEL_ID, requests[:2], min(2, streams), timeout_s=600))
             ratios: dict[str, list[float]] = {name: [] for name in rays}
-            for r in range(args.rounds):
+            for r in range(rounds):
                 names = list(urls)
                 order = names[r % len(names):] + names[:r % len(names)]  # no server always first
                 s = {name: summarize(asyncio.run(run_concurrency(urls[name], MODEL_ID, requests, streams,
@@ -166,7 +167,8 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of part 2 (the order alternates)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="part 2's interleaved rounds at 16 streams, 3x as many at 1 (the order rotates)")
     parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica (default: ~5 of the 8 prompts)")
     parser.add_argument("--stream-interval", type=int, default=1, help="part 2: the Ray server's --stream-interval")
     parser.add_argument("--replica-stream", default="socket",

@@ -50,6 +50,9 @@ def engine_application(args: argparse.Namespace, checked, settings: ClusterSetti
             request_router_class=ROUTERS[settings.request_router],
             request_router_kwargs={"max_imbalance": settings.router_max_imbalance}),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        # Serve's per-call access log (every generate, every /metrics scrape) would be written to a
+        # file and forwarded to this process's stderr; the ingress logs each request (brisk.access)
+        logging_config={"enable_access_log": False},
         graceful_shutdown_timeout_s=args.shutdown_timeout,
         graceful_shutdown_wait_loop_s=0.5,
         **scaling)

@@ -97,10 +97,12 @@ class EngineReplica:
                                f"{channel[0]}:{channel[1]} ({e}); check that the nodes can connect to each other "
                                "on any port, or serve with --replica-stream ray")
                 return
-        queue: asyncio.Queue = asyncio.Queue()
+        ready: asyncio.Queue = asyncio.Queue()  # --replica-stream ray: the groups to yield
+        emit = ready.put_nowait if client is None else (lambda item: client.send(request_id, item))
+        batcher = _OutputBatcher(self.stream_interval, emit)
         try:
             stream = await self.engine.add(prompt_ids, params, request_id=request_id, priority=priority,
-                                           cache_salt=cache_salt, sink=(queue, None))
+                                           cache_salt=cache_salt, sink=(batcher, None))
         except EngineDeadError as e:
             yield ("dead", str(e))
             return
@@ -108,36 +110,24 @@ class EngineReplica:
             yield ("invalid", str(e), getattr(e, "field", None))
             return
         yield ("accepted",)
-        pending, held_tokens, sent_first = [], 0, False
         try:
+            if client is not None:
+                await batcher.done  # the outputs go out from the engine's callbacks, a frame per step
+                stream.mark_done()
+                await client.drain()
+                return
             while True:
-                batch = [(await queue.get())[1]]
-                while not queue.empty():
-                    batch.append(queue.get_nowait()[1])
-                failure = next((item for item in batch if isinstance(item, BaseException)), None)
-                outputs = [item for item in batch if not isinstance(item, BaseException)]
-                pending += outputs
-                held_tokens += sum(len(o.delta_token_ids) for o in outputs)
-                finished = bool(outputs) and outputs[-1].finished
-                if pending and (failure is not None or finished or not sent_first
-                                or held_tokens >= self.stream_interval):
-                    if client is None:
-                        yield pending
-                    else:
-                        client.send(request_id, pending)
-                    pending, held_tokens, sent_first = [], 0, True
-                if failure is not None:
+                groups = [await ready.get()]
+                while not ready.empty():  # groups that piled up go as one Ray message
+                    groups.append(ready.get_nowait())
+                outputs = [out for group in groups if isinstance(group, list) for out in group]
+                failure = next((group for group in groups if isinstance(group, tuple)), None)
+                if outputs:
+                    yield outputs
+                if failure is not None or (outputs and outputs[-1].finished):
                     stream.mark_done()
-                    if client is None:
-                        yield ("dead", str(failure))
-                    else:
-                        client.send(request_id, ("dead", str(failure)))
-                        await client.drain()
-                    return
-                if finished:
-                    stream.mark_done()
-                    if client is not None:
-                        await client.drain()
+                    if failure is not None:
+                        yield failure
                     return
         except ConnectionError as e:  # the channel to the ingress broke: this request ends here
             yield ("lost", f"replica {self.replica_id} lost its output channel to the ingress: {e}")
@@ -171,3 +161,48 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+class _OutputBatcher:
+    """One request's sink in the engine (AsyncLLMEngine calls `put_nowait((tag, item))` on this
+    replica's event loop, once per step): groups its outputs per --stream-interval (the first token
+    and the last output at once) and hands each group to `emit`, or ("dead", message) when the
+    engine loop stopped; `done` resolves then, or fails with the channel's ConnectionError.
+
+    Outputs before the last one go without their cumulative `text` (the HTTP side streams
+    `delta_text` and reads `text` from the final output only): in one process it is a reference,
+    but pickled it would make every step cost O(output so far)."""
+
+    def __init__(self, interval: int, emit):
+        self.interval, self.emit = interval, emit
+        self.pending: list = []
+        self.held_tokens, self.sent_first = 0, False
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def put_nowait(self, tagged) -> None:
+        item = tagged[1]
+        if self.done.done():
+            return
+        try:
+            if isinstance(item, BaseException):
+                self._flush()
+                self.emit(("dead", str(item)))
+                self.done.set_result(None)
+                return
+            self.pending.append(item)
+            self.held_tokens += len(item.delta_token_ids)
+            if item.finished or not self.sent_first or self.held_tokens >= self.interval:
+                self._flush()
+            if item.finished:
+                self.done.set_result(None)
+        except ConnectionError as e:
+            self.done.set_exception(e)
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        for out in self.pending:
+            if not out.finished:
+                out.text = ""
+        group, self.pending, self.held_tokens, self.sent_first = self.pending, [], 0, True
+        self.emit(group)
