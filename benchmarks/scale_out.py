@@ -130,31 +130,43 @@ def part_overhead(args, work: Path) -> list[str]:
         for i, (name, (cmd, replicas)) in enumerate(systems.items()):
             proc, urls[name] = start(cmd, work / f"overhead-{i}.log", replicas)
             procs.append(proc)
-        rows = ["| streams | round | " + " | ".join(f"{name} tok/s" for name in systems) + " | "
+        rows = ["| streams | block | " + " | ".join(f"{name} tok/s" for name in systems) + " | "
                 + " | ".join(f"ratio {name}" for name in rays) + " | TTFT p50 " + " / ".join(systems) + " |",
                 "|---" * (3 + 2 * len(rays)) + "|---|"]
-        # one stream: many short rounds (6 requests, ~3 s), as this machine's speed drifts within
-        # seconds (one process alone varied 121-149 tok/s between 12 s rounds); 16 streams: 32 requests
-        for streams, n, rounds in ((1, 6, 3 * args.rounds), (16, 32, args.rounds)):
+        # This machine's speed drifts within seconds (one process alone: 121-149 tok/s between 12 s
+        # rounds), so at one stream the servers alternate every 2 requests (~1 s; 40 rounds, the order
+        # rotating) and a row sums 10 rounds; at 16 streams a row is one round of 32 requests.
+        for streams, n, rounds, per_row in ((1, 2, 10 * args.rounds, 10), (16, 32, args.rounds, 1)):
             requests = [BenchRequest(messages=[{"role": "user", "content": text(12, rng)}], max_tokens=64,
                                      extra={"temperature": 0, "ignore_eos": True}) for _ in range(n)]
             for url in urls.values():  # warm-up
                 asyncio.run(run_concurrency(url, MODEL_ID, requests[:2], min(2, streams), timeout_s=600))
             ratios: dict[str, list[float]] = {name: [] for name in rays}
-            for r in range(rounds):
-                names = list(urls)
-                order = names[r % len(names):] + names[:r % len(names)]  # no server always first
-                s = {name: summarize(asyncio.run(run_concurrency(urls[name], MODEL_ID, requests, streams,
-                                                                 timeout_s=1800))) for name in order}
+            totals = {name: [0, 0.0] for name in systems}  # output tokens, seconds: the whole level
+            for block in range(rounds // per_row):
+                sums = {name: [0, 0.0] for name in systems}
+                ttfts: dict[str, list[float]] = {name: [] for name in systems}
+                for r in range(block * per_row, (block + 1) * per_row):
+                    names = list(urls)
+                    order = names[r % len(names):] + names[:r % len(names)]  # no server always first
+                    for name in order:
+                        got = summarize(asyncio.run(run_concurrency(urls[name], MODEL_ID, requests, streams,
+                                                                    timeout_s=1800)))
+                        for acc in (sums[name], totals[name]):
+                            acc[0] += got.total_output_tokens
+                            acc[1] += got.duration_s
+                        ttfts[name].append(got.ttft.median)
+                tps = {name: sums[name][0] / sums[name][1] for name in systems}
                 for name in rays:
-                    ratios[name].append(s[name].output_throughput / s[one].output_throughput)
-                rows.append(f"| {streams} | {r + 1} | "
-                            + " | ".join(f"{s[name].output_throughput:.1f}" for name in systems) + " | "
+                    ratios[name].append(tps[name] / tps[one])
+                rows.append(f"| {streams} | {block + 1} | " + " | ".join(f"{tps[name]:.1f}" for name in systems) + " | "
                             + " | ".join(f"{ratios[name][-1]:.2f}x" for name in rays) + " | "
-                            + " / ".join(f"{s[name].ttft.median * 1e3:.0f}" for name in systems) + " ms |")
+                            + " / ".join(f"{statistics.median(ttfts[name]) * 1e3:.0f}" for name in systems) + " ms |")
                 print(rows[-1], flush=True)
-            rows.append(f"| {streams} | median | " + " | " * (len(systems) - 1) + " | "
-                        + " | ".join(f"**{statistics.median(ratios[name]):.2f}x**" for name in rays) + " | |")
+            overall = {name: totals[name][0] / totals[name][1] for name in systems}
+            rows.append(f"| {streams} | all | " + " | ".join(f"{overall[name]:.1f}" for name in systems) + " | "
+                        + " | ".join(f"**{overall[name] / overall[one]:.2f}x** (median row "
+                                     f"{statistics.median(ratios[name]):.2f}x)" for name in rays) + " | |")
             print(rows[-1], flush=True)
     finally:
         for proc in procs:
@@ -168,7 +180,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4,
-                        help="part 2's interleaved rounds at 16 streams, 3x as many at 1 (the order rotates)")
+                        help="part 2's table rows per concurrency (16 streams: a round of 32 requests each; "
+                             "1 stream: 10 rounds of 2 requests each); the servers' order rotates")
     parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica (default: ~5 of the 8 prompts)")
     parser.add_argument("--stream-interval", type=int, default=1, help="part 2: the Ray server's --stream-interval")
     parser.add_argument("--replica-stream", default="socket",
