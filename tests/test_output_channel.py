@@ -46,8 +46,8 @@ def test_one_frame_per_loop_iteration_in_order(monkeypatch):
     frames = []
     read_frame = ch._read_frame
 
-    async def counting(reader):
-        frame = await read_frame(reader)
+    async def counting(reader, limit=None):
+        frame = await read_frame(reader, limit)
         frames.append(frame)
         return frame
 
@@ -84,6 +84,20 @@ def test_a_peer_without_the_key_is_dropped_unread():
 
     closed, items = run(main())
     assert closed == b"" and items == []
+
+
+def test_an_unauthenticated_peer_cannot_make_the_ingress_buffer_a_large_frame():
+    async def main():
+        ingress = Ingress()
+        host, port, _ = await ingress.listener.address()
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(struct.pack(">I", ch.MAX_FRAME_BYTES))  # announces 256 MiB instead of a key
+        await writer.drain()
+        closed = await asyncio.wait_for(reader.read(), 10)  # closed at once, nothing read
+        ingress.listener.close()
+        return closed
+
+    assert run(main()) == b""
 
 
 def test_a_broken_connection_fails_only_its_unfinished_requests():

@@ -31,6 +31,7 @@ from typing import Any, Callable
 log = logging.getLogger("brisk.cluster")
 
 HELLO_TIMEOUT_S = 10.0
+HELLO_MAX_BYTES = 64  # the key: a peer that has not presented it gets nothing buffered for it
 MAX_FRAME_BYTES = 256 << 20
 _LENGTH = struct.Struct(">I")
 
@@ -39,10 +40,11 @@ def _frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+async def _read_frame(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
+    limit = MAX_FRAME_BYTES if limit is None else limit
     (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"output channel frame of {size} bytes (limit {MAX_FRAME_BYTES})")
+    if size > limit:
+        raise ValueError(f"output channel frame of {size} bytes (limit {limit})")
     return await reader.readexactly(size)
 
 
@@ -76,7 +78,7 @@ class OutputListener:
         peer = writer.get_extra_info("peername")
         carried: set[str] = set()  # requests this connection sent outputs for and did not finish
         try:
-            hello = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
+            hello = await asyncio.wait_for(_read_frame(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
             if not hmac.compare_digest(hello, self.key.encode()):
                 log.warning("output channel: %s did not present the key; closed", peer)
                 return
