@@ -250,6 +250,31 @@ def _replica_pids() -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def test_a_client_that_disconnects_mid_stream_stops_its_generation(cluster):
+    """The abort crosses to the replica (the Ray call is cancelled; its outputs were on the channel):
+    the replicas run far fewer steps than the 1,900 tokens asked for, and nothing stays running."""
+    url, _ = cluster
+
+    def total(name):
+        return sum(_replica_samples(url, name).values())
+
+    assert total("brisk:num_requests_running") == 0
+    steps_before = total("brisk:engine_steps_total")
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data:")
+            if chunks == 3:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 120  # liveness only; a request that is never aborted runs 1,900 steps
+    while total("brisk:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the disconnected request is still running on its replica"
+        time.sleep(0.2)
+    assert total("brisk:engine_steps_total") - steps_before < 1000
+
+
 def test_replica_killed_mid_stream_ends_every_stream_and_is_replaced(cluster):
     url, proc = cluster
     pids = _replica_pids()
