@@ -88,6 +88,10 @@ class OutputListener:
                         carried.add(request_id)
                     else:
                         carried.discard(request_id)
+        except asyncio.CancelledError:
+            # the ingress is shutting down and its loop cancels the handlers: end quietly (a cancelled
+            # handler task is logged as an error by asyncio's streams on Python 3.11)
+            return
         except Exception as e:  # noqa: BLE001 - EOF, reset, timeout, a bad frame: its open requests end
             if not isinstance(e, (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ValueError)):
                 log.error("output channel from %s failed", peer, exc_info=e)
