@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
                         "message per stream and step; for clusters whose nodes may talk only over Ray's ports)")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="a replica sends each stream's tokens to the ingress this many at a time, the first at "
-                        "once (vLLM's --stream-interval; default 1): fewer Ray messages, burstier streaming")
+                        "once (vLLM's --stream-interval; default 1): fewer messages, burstier streaming")
 
 
 @dataclass(frozen=True)
