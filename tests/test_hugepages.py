@@ -11,6 +11,7 @@ import torch
 
 from brisk.engine import hugepages
 from brisk.engine.attention import PagedKVCache
+from brisk.errors import BriskError
 
 CPU = torch.device("cpu")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -64,5 +65,5 @@ def test_hugepages_can_be_turned_off(monkeypatch):
 
 def test_a_bad_hugepages_setting_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("BRISK_KV_HUGEPAGES", "yes")
-    with pytest.raises(ValueError, match="BRISK_KV_HUGEPAGES='yes': expected 'on' or 'off'"):
+    with pytest.raises(BriskError, match="BRISK_KV_HUGEPAGES='yes': expected 'on' or 'off'"):
         PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)

@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+from brisk.errors import BriskError
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 1 << 21
@@ -49,7 +51,7 @@ def requested() -> bool:
     """BRISK_KV_HUGEPAGES: on (default) or off."""
     choice = os.environ.get("BRISK_KV_HUGEPAGES", "on")
     if choice not in ("on", "off"):
-        raise ValueError(f"BRISK_KV_HUGEPAGES={choice!r}: expected 'on' or 'off'")
+        raise BriskError(f"BRISK_KV_HUGEPAGES={choice!r}: expected 'on' or 'off' (unset means on)")
     return choice == "on"
 
 
