@@ -59,14 +59,12 @@ class OutputListener:
         self._deliver = deliver
         self._lost = lost
         self._server: asyncio.AbstractServer | None = None
-        self._starting: asyncio.Lock | None = None
+        self._starting = asyncio.Lock()  # binds to a loop on first use (Python >= 3.10)
         self.port: int | None = None
 
     async def address(self) -> tuple[str, int, str]:
         """(host, port, key) for a request's replica; starts listening on first use."""
         if self._server is None:
-            if self._starting is None:
-                self._starting = asyncio.Lock()
             async with self._starting:
                 if self._server is None:
                     self._server = await asyncio.start_server(self._serve, self.host, 0)
@@ -156,14 +154,12 @@ class ChannelPool:
 
     def __init__(self):
         self._clients: dict[tuple[str, int, str], ChannelClient] = {}
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()
 
     async def get(self, address: tuple[str, int, str]) -> ChannelClient:
         client = self._clients.get(address)
         if client is not None and not client.broken:
             return client
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         async with self._lock:
             client = self._clients.get(address)
             if client is None or client.broken:

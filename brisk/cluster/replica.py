@@ -133,6 +133,7 @@ class EngineReplica:
             yield ("lost", f"replica {self.replica_id} lost its output channel to the ingress: {e}")
         finally:  # finished: nothing to abort; cancelled (the ingress closed the stream): abort
             stream.close()
+            batcher.done.cancel()  # outputs still in flight are dropped, not sent after the end
 
     async def _compile_grammar(self, params):
         """The ingress sends a grammar as its spec (a compiled matcher does not cross processes);
