@@ -17,3 +17,12 @@ class ModelLoadError(BriskError):
 
 class CacheDirError(BriskError):
     """The cache directory ($BRISK_CACHE) cannot be used."""
+
+
+class ParamError(ValueError):
+    """A request field with a bad value; the message starts with the field's name."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message

@@ -12,7 +12,8 @@ import torch
 
 from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler
-from brisk.engine.sampling_params import ParamError, SamplingParams
+from brisk.engine.sampling_params import SamplingParams
+from brisk.errors import ParamError
 from brisk.structured.bitmask import allowed_tokens
 from brisk.structured.compiler import GrammarCompiler, GrammarError
 from brisk.structured.spec import GrammarSpec, choice_spec, json_spec

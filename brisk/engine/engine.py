@@ -18,12 +18,12 @@ from brisk.engine.memory import available_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import RequestOutput, find_stop, held_back_length, stop_window
 from brisk.engine.request import Request, RequestStatus
-from brisk.engine.sampling_params import ParamError, SamplingParams
+from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerConfig
 from brisk.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from brisk.engine.spec_decode.drafter import NgramDrafter
 from brisk.engine.stats import EngineStats, SpecStats
-from brisk.errors import BriskError
+from brisk.errors import BriskError, ParamError
 from brisk.loading.loader import LoadedModel
 
 log = logging.getLogger("brisk.engine")

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from brisk.errors import ParamError
 
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta")
 # Below this temperature, sampling is greedy: dividing logits by ~0 overflows to inf/NaN.
 GREEDY_TEMPERATURE = 1e-5
-
-
-class ParamError(ValueError):
-    """A request field with a bad value; the message starts with the field's name."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+# torch's generators take seeds in [0, 2**64): every seed is reduced modulo 2**64 once, here, and
+# every sum on a seed wraps the same way. torch reads a negative seed as its two's complement, so
+# a seed it already took draws exactly as before.
+SEED_MODULUS = 2**64
 
 
 class SamplingParamsError(ParamError):
@@ -54,6 +53,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.seed, int) and not isinstance(self.seed, bool):
+            self.seed %= SEED_MODULUS
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100] (0 = greedy)"),
@@ -66,7 +67,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be in [0, {MAX_LOGPROBS}]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+             "must be an integer"),
             ("logit_bias", self.logit_bias is None or all(
                 isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              "must map token ids to biases in [-100, 100]"),
@@ -76,6 +78,13 @@ class SamplingParams:
         for name, ok, message in checks:
             if not ok:
                 raise SamplingParamsError(name, f"{message}, got {getattr(self, name)!r}")
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice `index` of an `n > 1` request: with a seed, choice i draws from
+        seed + i (wrapped), so the choices differ and each is reproducible."""
+        if self.seed is None or index == 0:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % SEED_MODULUS)
 
     @property
     def greedy(self) -> bool:

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from brisk.engine.errors import EngineDeadError
 from brisk.engine.outputs import RequestOutput
-from brisk.engine.sampling_params import ParamError, SamplingParams
+from brisk.engine.sampling_params import SamplingParams
+from brisk.errors import ParamError
 from brisk.loop_lag import LoopLagMonitor
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextLengthError, GuardResult, combined_headers, guard_chat, guard_prompt
@@ -72,6 +73,8 @@ def create_app(state: ServerState) -> FastAPI:
             stats.cancel()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
+        if state.grammars is not None:
+            await asyncio.to_thread(state.grammars.close)  # the compile sandbox's worker process
         if state.tracer is not None:
             await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
         if state.request_log is not None:
@@ -307,20 +310,13 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None, grammar: Compi
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p,
-            seed=_torch_seed(body.seed), repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            seed=body.seed, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=_logit_bias(body),
             grammar=grammar, output_kind="delta", speculative=body.speculative)
     except ParamError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from None
-
-
-def _torch_seed(seed: int | None) -> int | None:
-    """A request's seed as torch takes it: [-2**63, 2**64) as given, anything else modulo 2**64."""
-    if seed is None or -(2**63) <= seed < 2**64:
-        return seed
-    return seed % 2**64
 
 
 def _new_id(prefix: str) -> str:
@@ -336,9 +332,7 @@ async def _respond(state: ServerState, raw: Request, body, fmt: Formatter, guard
     for p_index, guard in enumerate(guards):
         base = params[p_index] if isinstance(params, list) else params
         for i in range(body.n):
-            seed = None if base.seed is None else base.seed + i  # n choices with one seed still differ
-            jobs.append((p_index * body.n + i, p_index, guard.prompt_ids,
-                         base if seed == base.seed else _replace_seed(base, seed)))
+            jobs.append((p_index * body.n + i, p_index, guard.prompt_ids, base.for_choice(i)))
     state.admit(len(jobs))
     for g in guards:
         state.metrics.context_guard.labels(g.outcome).inc()
@@ -377,12 +371,6 @@ class _RunStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.run.close()
-
-
-def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
 
 
 async def _until_disconnect(raw: Request, coro):

@@ -55,7 +55,7 @@ def _int(**constraints: Any) -> Any:
 
 Int = _int()
 Choices = _int(ge=1, le=16, json_schema_extra={CHOICES_MARK: True})
-# Any integer: torch seeds take [-2**63, 2**64) and the server reduces others modulo 2**64. (A
+# Any integer: SamplingParams reduces it modulo 2**64, the range torch's generators take. (A
 # bound in the schema would be a float to JSON Schema tools: near 2**63 they round a value just
 # past it onto it and call it valid, while the server, comparing integers, would refuse it.)
 Seed = _int()

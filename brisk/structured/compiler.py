@@ -6,11 +6,13 @@ in milliseconds once the tokenizer is wrapped (outlines-core builds a full DFA i
 ~1 s, p90 2 ms per token); and it needs no other package (xgrammar requires transformers and
 triton at run time). Compiling happens in a worker thread, never on the engine's step loop; the
 engine forks one matcher per sequence from the cached one (`CompiledGrammar.matcher`).
+
+A new grammar is first held to the bounds of `limits`, then tried in the compile sandbox's
+worker process (a grammar that crashes the library kills only that worker), then built here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -18,18 +20,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from brisk.engine.sampling_params import ParamError
+from brisk.structured.sandbox import BUILD_STACK_BYTES, CompileSandbox, run_with_stack
+from brisk.structured.sources import GrammarError, check_limits, short
 from brisk.structured.spec import ANY_JSON_OBJECT, GrammarSpec, json_spec
+
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError"]
 
 log = logging.getLogger("brisk.structured")
 
 CACHE_SIZE = 256
-# JSON output without free whitespace: a small model given "any whitespace" can pad forever.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class GrammarError(ParamError):
-    """The grammar (schema, regex, Lark) cannot be compiled; names the request field."""
 
 
 @dataclass
@@ -47,19 +46,20 @@ class GrammarCompiler:
     """One per served model: the tokenizer wrapped for llguidance (built once, ~0.5 s) and the cache."""
 
     def __init__(self, fast_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self._fast = fast_tokenizer
+        self._tokenizer_json = fast_tokenizer.to_str()
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self.sandbox = CompileSandbox(self._tokenizer_json, vocab_size, eos_token_ids)
 
     def _llg_tokenizer(self):
         import llguidance
 
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(self._fast.to_str(), n_vocab=self.vocab_size,
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
                                                          eos_token=list(self.eos_token_ids))
             return self._tokenizer
 
@@ -69,6 +69,9 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         from brisk.structured.bitmask import allowed_tokens
 
+        self.sandbox.start()
+        if self.sandbox.closed:  # the server stopped before its warm-up ran
+            return 0.0
         compiled = self.compile(json_spec(ANY_JSON_OBJECT, "warm-up"))
         allowed_tokens(compiled.matcher(), self.vocab_size)
         return time.perf_counter() - t0
@@ -84,10 +87,12 @@ class GrammarCompiler:
 
         tokenizer = self._llg_tokenizer()
         t0 = time.perf_counter()
-        grammar = _grammar_source(spec)
-        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        check_limits(spec)
+        grammar = self.sandbox.check(spec)
+        template = run_with_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0),
+                                  BUILD_STACK_BYTES, "brisk-grammar-build")
         if template.is_error():
-            raise GrammarError(spec.field, f"cannot be compiled: {_short(template.get_error())}")
+            raise GrammarError(spec.field, f"cannot be compiled: {short(template.get_error())}")
         compiled = CompiledGrammar(spec, template, (time.perf_counter() - t0) * 1e3)
         with self._lock:
             self._cache[spec.key] = compiled
@@ -95,35 +100,6 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-
-def _grammar_source(spec: GrammarSpec) -> str:
-    import llguidance
-
-    LLMatcher = llguidance.LLMatcher
-    if spec.kind == "json":
-        overrides = {"whitespace_pattern": spec.whitespace_pattern} if spec.whitespace_pattern else None
-        try:
-            return LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS, overrides=overrides)
-        except ValueError as e:
-            raise GrammarError(spec.field, f"is not a usable JSON schema: {_short(str(e))}") from None
-    if spec.kind == "regex":
-        return LLMatcher.grammar_from_regex(spec.value)
-    if spec.kind == "choice":
-        alternatives = " | ".join(json.dumps(c) for c in json.loads(spec.value))
-        return LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
-    if spec.kind == "lark":
-        source = spec.value
-        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark, is_lark_syntax
-
-        if "::=" in source and not is_lark_syntax(source):  # GBNF (llama.cpp's and xgrammar's format)
-            try:
-                source = gbnf_to_lark(source)
-            except (GbnfToLarkError, ValueError, KeyError, IndexError) as e:
-                raise GrammarError(spec.field, f"is not a valid GBNF grammar: {_short(str(e))}") from None
-        return LLMatcher.grammar_from_lark(source)
-    raise GrammarError(spec.field, f"unknown grammar kind {spec.kind!r}")
-
-
-def _short(message: str, limit: int = 500) -> str:
-    message = " ".join(message.split())
-    return message if len(message) <= limit else message[:limit] + "..."
+    def close(self) -> None:
+        """Stop the sandbox's worker process (a later compile starts a new one)."""
+        self.sandbox.close()

@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from brisk.engine.sampling_params import ParamError
+from brisk.errors import ParamError
+from brisk.structured import limits
 
 KINDS = ("json", "regex", "choice", "lark")
 # `response_format: json_object`: any JSON object (OpenAI's JSON mode)
@@ -37,6 +38,9 @@ def json_spec(schema: Any, field: str, whitespace_pattern: str | None = None) ->
         except json.JSONDecodeError as e:
             raise ParamError(field, f"is not valid JSON ({e.msg} at character {e.pos}); send a JSON schema "
                                     "object or its JSON text") from None
+        except RecursionError:  # deeper than Python's parser goes
+            raise limits.too_deep(field) from None
+    limits.check_json_depth(schema, field)
     if isinstance(schema, bool):  # JSON Schema allows `true` (anything) and `false` (nothing)
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):

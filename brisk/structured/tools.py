@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from brisk.engine.sampling_params import ParamError
+from brisk.errors import ParamError
 from brisk.structured.spec import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
