@@ -10,6 +10,8 @@ PORT ?= 8000
 .PHONY: setup serve test clean
 
 KERNELS := brisk/kernels/_kernels.so
+# llama.cpp's converter, tokenizer test vectors and chat templates (test material; scripts/fetch_llamacpp.py)
+LLAMACPP := $(VENV)/llama.cpp/.brisk-fetched
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,15 +25,18 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # brisk's compiled CPU kernels (quantized matmuls, paged attention), rebuilt when their source changes.
-$(KERNELS): $(wildcard brisk/kernels/*.cpp) $(STAMP)
+$(KERNELS): $(wildcard brisk/kernels/*.cpp brisk/kernels/*.h) $(STAMP)
 	$(PY) -m brisk.kernels
+
+$(LLAMACPP): scripts/fetch_llamacpp.py $(STAMP)
+	$(PY) scripts/fetch_llamacpp.py $(VENV)/llama.cpp
 
 setup: $(STAMP) $(KERNELS)
 
 serve: setup
 	$(VENV)/bin/brisk serve --host $(HOST) --port $(PORT)
 
-test: setup
+test: setup $(LLAMACPP)
 	$(PY) -m pytest -q
 
 clean:

@@ -47,6 +47,9 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
     # Type-specific extras (low_freq_factor, beta_fast, original_max_position_embeddings, ...)
     extra: dict[str, Any] = field(default_factory=dict)
+    # llama.cpp's per-frequency divisors (a GGUF's `rope_freqs.weight`: Llama 3.1+'s llama3 scaling
+    # as the converter stores it), applied on top of `rope_type`: inv_freq[i] / freq_factors[i]
+    freq_factors: tuple[float, ...] | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.extra.get(key, default)
@@ -192,8 +195,15 @@ def _rope_from_hf(d: dict[str, Any], source: str) -> RopeConfig:
         for key in ("low_freq_factor", "high_freq_factor"):
             if key not in params:
                 raise ModelLoadError(f"{source}: RoPE type 'llama3' needs a {key!r} key")
+    factors = d.get("rope_freq_factors")  # written by brisk's GGUF converter only
+    if factors is not None:
+        head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+        if len(factors) != int(head_dim * partial) // 2:
+            raise ModelLoadError(f"{source}: rope_freq_factors has {len(factors)} values; the rotary dimension "
+                                 f"{int(head_dim * partial)} needs {int(head_dim * partial) // 2}")
+        factors = tuple(float(f) for f in factors)
     return RopeConfig(rope_type=rope_type, theta=theta, factor=factor,
-                      partial_rotary_factor=partial, extra=params)
+                      partial_rotary_factor=partial, extra=params, freq_factors=factors)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,

@@ -42,7 +42,7 @@ from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 3
+CONVERT_VERSION = 4  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before)
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -261,8 +261,8 @@ class _Group:
         return self._arrays.pop(suffix)  # each array is written once; memory is freed as we go
 
 
-def _plan(tensors: _Tensors, num_layers: int) -> list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]:
-    """(output name, safetensors dtype, shape, producer) for every tensor of the converted checkpoint."""
+def _groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
+    """(output name, GGUF tensors it is made of) for every weight of the converted checkpoint."""
     groups: list[tuple[str, list[str]]] = []
     for gguf_name, hf_name in _PLAIN_NAMES.items():
         if gguf_name in tensors.by_name:
@@ -280,6 +280,12 @@ def _plan(tensors: _Tensors, num_layers: int) -> list[tuple[str, str, tuple[int,
                 missing = [n for n, p in zip(names, present) if not p]
                 raise ModelLoadError(f"{tensors.source}: GGUF lacks tensor(s) {', '.join(missing)}")
             groups.append((f"model.layers.{i}.{hf_part}", names))
+    return groups
+
+
+def _plan(tensors: _Tensors, groups: list[tuple[str, list[str]]]
+          ) -> list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """(output name, safetensors dtype, shape, producer) for every tensor of the converted checkpoint."""
     plan = []
     for hf_name, parts in groups:
         group = _Group(tensors, parts, hf_name)
@@ -289,6 +295,27 @@ def _plan(tensors: _Tensors, num_layers: int) -> list[tuple[str, str, tuple[int,
             shape = group.shape if len(group.shape) == 1 else stored_shape(suffix, *group.shape, group.fmt)
             plan.append((name, dtype, shape, lambda g=group, s=suffix: g.take(s)))
     return plan
+
+
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _read_rope_factors(tensors: _Tensors, config: dict[str, Any]) -> None:
+    """Llama 3.1+: llama.cpp's converter stores the llama3 RoPE scaling as per-frequency divisors."""
+    if ROPE_FREQS in tensors.by_name:
+        config["rope_freq_factors"] = [float(f) for f in tensors.load(ROPE_FREQS).reshape(-1)]
+
+
+def _check_all_tensors_used(tensors: _Tensors, groups: list[tuple[str, list[str]]]) -> None:
+    """A tensor the model does not read would leave it silently wrong (as `rope_freqs.weight` once
+    did): refuse the file, naming it, before anything is written."""
+    used = {ROPE_FREQS} | {part for _, parts in groups for part in parts}
+    unused = sorted(set(tensors.by_name) - used)
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ModelLoadError(f"{tensors.source}: GGUF tensor(s) {shown} are not read by brisk's "
+                             f"{tensors.config['architectures'][0]}; running without them would give wrong "
+                             "answers, so the model is refused")
 
 
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8}
@@ -333,7 +360,10 @@ def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[
     config = hf_config(meta, has_output="output.weight" in {t.name for t in reader.tensors}, source=source)
     fast_tokenizer, tok_config = build_tokenizer(meta, source)
     tensors = _Tensors(reader, config, source, quantization)
-    plan = _plan(tensors, config["num_hidden_layers"])
+    groups = _groups(tensors, config["num_hidden_layers"])
+    _check_all_tensors_used(tensors, groups)
+    _read_rope_factors(tensors, config)
+    plan = _plan(tensors, groups)
     timings["gguf_read"] = (time.perf_counter() - t0) * 1e3
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TEMP_MARK}", dir=out_dir.parent))

@@ -43,7 +43,16 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.T
     `seq_len` matters only for `dynamic` (NTK) scaling, whose base grows with the
     longest sequence served; brisk passes `max_model_len` so that every cached K
     was rotated with the same frequencies (HF recomputes them per forward instead).
+    A GGUF's frequency factors divide the result, as llama.cpp applies them.
     """
+    inv_freq, scaling = _typed_inv_freq(cfg, seq_len)
+    factors = cfg.rope.freq_factors
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    return inv_freq, scaling
+
+
+def _typed_inv_freq(cfg: ModelConfig, seq_len: int | None) -> tuple[torch.Tensor, float]:
     rope: RopeConfig = cfg.rope
     dim = rotary_dim(cfg)
     if rope.rope_type == "default":
