@@ -13,16 +13,39 @@ from typing import Any
 
 from brisk.errors import ModelLoadError
 
-# HF architecture name -> whether q/k/v projections carry a bias by default.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes a decoder family from Llama's, as transformers' config.json spells it."""
+
+    model_type: str
+    qkv_bias: bool = False  # q/k/v projections carry a bias by default (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    gemma: bool = False  # (1 + w) RMSNorm, embeddings times sqrt(hidden), GELU-tanh gate
+    # what transformers' config class assumes for keys config.json leaves out
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+
+FAMILIES = {
+    "LlamaForCausalLM": Family("llama"),
+    "MistralForCausalLM": Family("mistral"),
+    "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True),
+    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True),
+    "GemmaForCausalLM": Family("gemma", gemma=True),
+    "Gemma2ForCausalLM": Family("gemma2", sandwich_norms=True, gemma=True, defaults=(
+        ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("query_pre_attn_scalar", 256))),
+    "Gemma3ForCausalLM": Family("gemma3_text", qk_norm=True, sandwich_norms=True, gemma=True, defaults=(
+        ("query_pre_attn_scalar", 256), ("rope_theta", 1_000_000.0))),
+    "Phi3ForCausalLM": Family("phi3"),
+    "SmolLM3ForCausalLM": Family("smollm3"),
 }
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+_MODEL_TYPES = {f.model_type: arch for arch, f in FAMILIES.items()}
+# transformers' activation names -> the gate brisk computes
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "gelu": "gelu"}
 
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # --quantization: auto (a GGUF keeps its quantized types; float checkpoints stay float), none
 # (everything float), int8 / int4 (every weight matrix quantized in blocks of 32 at load)
@@ -75,6 +98,17 @@ class ModelConfig:
     # Sliding-window attention: a windowed layer's position i sees positions i - W + 1 .. i only.
     # layer_windows[i] is layer i's W, or None for full attention; () when no layer has a window.
     layer_windows: tuple[int | None, ...] = ()
+    # -- what families change (Family; all off for Llama) --
+    hidden_act: str = "silu"  # the MLP's gate: silu, gelu_tanh or gelu
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    norm_weight_offset: float = 0.0  # added to every RMSNorm weight at load: Gemma's (1 + w) as stored by HF
+    embed_scale: float | None = None  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma 2/3); else head_dim's
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
+    sliding_rope: RopeConfig | None = None  # RoPE of the sliding-window layers, when it differs (Gemma 3)
+    nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3)
 
     @property
     def kv_window(self) -> int | None:
@@ -83,6 +117,24 @@ class ModelConfig:
         if self.layer_windows and all(w is not None for w in self.layer_windows):
             return max(self.layer_windows)
         return None
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def llama_like(self) -> bool:
+        """Llama's block exactly (what brisk's compiled decode stack runs); the families' extras off."""
+        return (self.hidden_act == "silu" and not self.qk_norm and not self.sandwich_norms
+                and self.attn_softcap is None and self.sliding_rope is None and not self.nope_layers)
+
+    def rope_of_layer(self, layer: int) -> RopeConfig | None:
+        """The RoPE layer `layer` applies, or None (a NoPE layer)."""
+        if layer in self.nope_layers:
+            return None
+        if self.sliding_rope is not None and self.layer_windows and self.layer_windows[layer] is not None:
+            return self.sliding_rope
+        return self.rope
 
     @property
     def q_size(self) -> int:
@@ -102,12 +154,14 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or [_MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
-                f"brisk runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"brisk runs {', '.join(sorted(FAMILIES))}"
             )
+        family = FAMILIES[arch]
+        d = {**dict(family.defaults), **d}
         missing = [k for k in _REQUIRED_KEYS if k not in d]
         if missing:
             raise ModelLoadError(
@@ -117,48 +171,78 @@ class ModelConfig:
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = int(d.get("head_dim") or hidden // num_heads)
+        num_layers = int(d["num_hidden_layers"])
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        qkv_bias = bool(d.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]))
-        if arch == "Qwen2ForCausalLM":
-            qkv_bias = True
+        qkv_bias = True if family.qkv_bias else bool(d.get("attention_bias", False))
+        windows = _windows_from_hf(d, arch, num_layers, source)
+        rope, sliding_rope = _ropes_from_hf(d, arch, source)
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family.gemma)),
             qkv_bias=qkv_bias,
-            rope=_rope_from_hf(d, source),
+            rope=rope,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            layer_windows=_windows_from_hf(d, arch, int(d["num_hidden_layers"]), source),
+            layer_windows=windows,
+            hidden_act=_activation(d, family, source),
+            qk_norm=family.qk_norm,
+            sandwich_norms=family.sandwich_norms,
+            # brisk's GGUF conversion writes 0: llama.cpp's converter stores Gemma norms as 1 + w already
+            norm_weight_offset=float(d.get("norm_weight_offset", 1.0 if family.gemma else 0.0)),
+            embed_scale=hidden ** 0.5 if family.gemma else None,
+            query_pre_attn_scalar=_optional_float(d.get("query_pre_attn_scalar")) if family.gemma else None,
+            attn_softcap=_optional_float(d.get("attn_logit_softcapping")),
+            final_softcap=_optional_float(d.get("final_logit_softcapping")),
+            sliding_rope=sliding_rope if windows and any(w is not None for w in windows) else None,
+            nope_layers=_nope_layers(d, arch, num_layers, source),
         )
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _activation(d: dict[str, Any], family: Family, source: str) -> str:
+    # Gemma's config keeps `hidden_act: gelu` for the original checkpoints while transformers runs
+    # `hidden_activation` (gelu_pytorch_tanh by default), as the reference implementation does
+    name = (d.get("hidden_activation") or "gelu_pytorch_tanh") if family.gemma else (d.get("hidden_act") or "silu")
+    if name not in ACTIVATIONS:
+        raise ModelLoadError(f"{source}: activation {name!r} is not supported; brisk runs "
+                             f"{', '.join(sorted(ACTIVATIONS))}")
+    return ACTIVATIONS[name]
+
+
+def _nope_layers(d: dict[str, Any], arch: str, num_layers: int, source: str) -> tuple[int, ...]:
+    """SmolLM3: `no_rope_layers[i]` is 1 where layer i applies RoPE (every 4th layer does not, by default)."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers:
+        raise ModelLoadError(f"{source}: no_rope_layers must list one 0/1 flag per layer ({num_layers}), got {flags!r}")
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
+
+
 def _windows_from_hf(d: dict[str, Any], arch: str, num_layers: int, source: str) -> tuple[int | None, ...]:
-    """Per-layer sliding windows with transformers' semantics: an explicit `layer_types` list wins;
-    otherwise Mistral windows every layer with `sliding_window` (its config class defaults to
-    4096 when the key is absent; null means none), Qwen2 windows layers >= `max_window_layers`
-    when `use_sliding_window` is true, and Llama has no window."""
-    if arch == "MistralForCausalLM":
-        window = d.get("sliding_window", 4096)
-    elif arch == "Qwen2ForCausalLM":
-        window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
-    else:
-        window = d.get("sliding_window")
+    """Per-layer sliding windows with transformers' semantics: an explicit `layer_types` list wins,
+    else the family's default layer types (`_default_layer_types`)."""
     types = d.get("layer_types")
     if types is None:
-        if window is None:
+        types = _default_layer_types(d, arch, num_layers)
+        if types is None:
             return ()
-        first = int(d.get("max_window_layers", 28)) if arch == "Qwen2ForCausalLM" else 0
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
         raise ModelLoadError(f"{source}: layer_types must list one type per layer ({num_layers}), got {types!r}")
     unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
@@ -167,10 +251,60 @@ def _windows_from_hf(d: dict[str, Any], arch: str, num_layers: int, source: str)
                              "full_attention and sliding_attention layers")
     if "sliding_attention" not in types:
         return ()
+    # the config classes of these families default the window to 4096 when the key is absent
+    window = d.get("sliding_window", 4096 if arch in _WINDOW_4096 else None)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ModelLoadError(f"{source}: sliding_window must be a positive integer for sliding_attention layers, "
                              f"got {window!r}")
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+_WINDOW_4096 = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _default_layer_types(d: dict[str, Any], arch: str, num_layers: int) -> list[str] | None:
+    """transformers' layer types when config.json lists none (None: no layer is windowed): Mistral
+    windows every layer unless `sliding_window` is null, Qwen2/3 layers >= `max_window_layers` when
+    `use_sliding_window` is true, Gemma 2 every other layer (from the first), Gemma 3 five of every
+    `sliding_window_pattern` (6), SmolLM3 its NoPE layers when `use_sliding_window` is true, and
+    Llama and Phi-3 every layer when `sliding_window` is set."""
+    sliding = None
+    if arch == "MistralForCausalLM" and d.get("sliding_window", 4096) is not None:
+        sliding = [True] * num_layers
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if d.get("use_sliding_window", False):
+            first = int(d.get("max_window_layers", 28))
+            sliding = [i >= first for i in range(num_layers)]
+    elif arch == "Gemma2ForCausalLM":
+        sliding = [(i + 1) % 2 == 1 for i in range(num_layers)]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif arch == "SmolLM3ForCausalLM":
+        if d.get("use_sliding_window") and d.get("sliding_window") is not None:
+            nope = set(_nope_layers(d, arch, num_layers, "config.json"))
+            sliding = [i in nope for i in range(num_layers)]
+    elif d.get("sliding_window") is not None:  # Llama with a window, Phi-3: every layer
+        sliding = [True] * num_layers
+    if sliding is None:
+        return None
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _ropes_from_hf(d: dict[str, Any], arch: str, source: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """The model's RoPE, and the sliding layers' own where it differs (Gemma 3: `rope_local_base_freq`,
+    or transformers 5's `rope_parameters` keyed by layer type)."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full = _rope_from_hf({**d, "rope_parameters": params["full_attention"]}, source)
+        local = params.get("sliding_attention")
+        return full, (_rope_from_hf({**d, "rope_parameters": local}, source) if isinstance(local, dict) else None)
+    rope = _rope_from_hf(d, source)
+    if arch == "Gemma3ForCausalLM":
+        local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)),
+                           partial_rotary_factor=rope.partial_rotary_factor)
+        return rope, local
+    return rope, None
 
 
 def _rope_from_hf(d: dict[str, Any], source: str) -> RopeConfig:
@@ -178,6 +312,8 @@ def _rope_from_hf(d: dict[str, Any], source: str) -> RopeConfig:
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if rope_type == "su":  # Phi-3's first name for longrope (transformers maps it so)
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(
             f"{source}: unsupported RoPE type {rope_type!r}; brisk supports {', '.join(ROPE_TYPES)}"
@@ -189,8 +325,16 @@ def _rope_from_hf(d: dict[str, Any], source: str) -> RopeConfig:
         d.get("rope_parameters") or d.get("rope_scaling") or {}
     ):
         raise ModelLoadError(f"{source}: RoPE type {rope_type!r} needs a 'factor' key")
-    if rope_type in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    if rope_type in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings",
+                          d.get("original_max_position_embeddings") or d.get("max_position_embeddings"))
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(params.get(key), list):
+                raise ModelLoadError(f"{source}: RoPE type 'longrope' needs a {key!r} list")
+        if "factor" not in (d.get("rope_parameters") or d.get("rope_scaling") or {}):
+            # transformers: the ratio of the context to the pretrained one sets the attention factor
+            factor = float(d.get("max_position_embeddings", 2048)) / float(params["original_max_position_embeddings"])
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor"):
             if key not in params:

@@ -1,35 +1,129 @@
-"""Model families against transformers itself: tiny random-weight models built by transformers
-(fp32, eager attention, prompts longer than any RoPE original context or sliding window) are
-saved as HF directories and converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py`; brisk
-loads both and must give HF's logits (1e-4 relative) and HF's greedy tokens."""
+"""Model families against transformers itself. For each family a tiny random-weight model built by
+transformers (fp32, eager attention, random norm weights so that Gemma's (1 + w) shows, prompts
+longer than any sliding window or RoPE original context) is saved as an HF directory and converted
+to GGUF by llama.cpp's own `convert_hf_to_gguf.py`; brisk loads both and must give HF's logits
+(1e-4 of their range) and HF's greedy tokens through the serving engine.
+
+Tokenizers: byte-level BPE families use the demo's tokenizer (llama.cpp's converter knows its
+pre-tokenizer); Gemma and Gemma 2, whose converter wants a SentencePiece model, get one trained
+here, and brisk's SentencePiece vocabulary rebuilt from the GGUF must tokenize as transformers'
+tokenizer.json made from the same model."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from brisk.engine.sampling_params import SamplingParams
 from brisk.errors import ModelLoadError
 from brisk.llm import LLM
+from brisk.loading.gguf_convert import converted_dir
 from brisk.loading.loader import load
 from brisk.models.simple_cache import SingleSequenceCache
+from brisk.tokenizer import Tokenizer
 
-from llamacpp import convert_hf_to_gguf
+from llamacpp import convert_hf_to_gguf, train_sentencepiece
 
-PROMPT_LEN, NEW_TOKENS = 72, 24
+PROMPT_LEN, NEW_TOKENS, MAX_LEN = 72, 24, 256
 
 
-def demo_tokenizer_files(demo, into: Path) -> None:
-    """The demo's byte-level BPE tokenizer (llama.cpp's converter knows its pre-tokenizer)."""
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo.model_dir / name, into / name)
+@dataclass(frozen=True)
+class Family:
+    config: str  # transformers' config and model classes
+    model: str
+    kwargs: dict = field(default_factory=dict)
+    spm: bool = False  # needs a SentencePiece tokenizer (Gemma 1/2's converter reads tokenizer.model)
+
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=MAX_LEN, bos_token_id=2, eos_token_id=1,
+              pad_token_id=0, tie_word_embeddings=False)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+FAMILIES = {
+    "llama31": Family("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "gemma": Family("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, tie_word_embeddings=True), spm=True),
+    # query_pre_attn_scalar = head_dim: llama.cpp's GGUF path infers it (hidden/heads for the 27Bs only)
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, sliding_window=16, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, tie_word_embeddings=True), spm=True),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=16, query_pre_attn_scalar=16, num_hidden_layers=7, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", dict(
+        original_max_position_embeddings=64, sliding_window=48,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [2.0 + 0.2 * i for i in range(8)]})),
+    "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=8)),
+}
+
+
+@dataclass
+class Built:
+    hf: torch.nn.Module
+    hf_dir: Path
+    gguf: Path
+
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory) -> Path:
+    corpus = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    corpus += "\n".join(["你好，世界。今天天气很好。", "Grüße aus Köln — naïve façade", "日本語のテキスト 🙂"] * 20)
+    return train_sentencepiece(tmp_path_factory.mktemp("spm"), corpus)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, demo, spm_dir, brisk_cache):
+    """Each family's model, HF directory and GGUF, made on first use and shared by the tests."""
+    cache: dict[str, Built] = {}
+
+    def build(name: str) -> Built:
+        if name not in cache:
+            cache[name] = _build(name, FAMILIES[name], tmp_path_factory.mktemp(name), demo, spm_dir)
+        return cache[name]
+
+    return build
+
+
+def _build(name: str, family: Family, root: Path, demo, spm_dir: Path) -> Built:
+    import transformers
+
+    hf_dir = root / "hf"
+    hf_dir.mkdir()
+    if family.spm:
+        for f in spm_dir.iterdir():
+            shutil.copy(f, hf_dir / f.name)
+        vocab = Tokenizer.from_dir(spm_dir).fast.get_vocab_size()
+    else:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo.model_dir / f, hf_dir / f)
+        config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+        config["tokenizer_class"] = "GPT2Tokenizer"  # loaded as is by the converter (and Phi-3's asks for it)
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+        vocab = demo.config.vocab_size
+    cfg = getattr(transformers, family.config)(**{**COMMON, "vocab_size": vocab, **family.kwargs},
+                                               attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = getattr(transformers, family.model)(cfg).eval()
+    with torch.no_grad():
+        for param_name, param in hf.named_parameters():
+            if "norm" in param_name:  # random norms: a missed (1 + w) or a swapped norm shows
+                param.normal_(0.0, 0.3)
+    hf.save_pretrained(hf_dir)
+    return Built(hf, hf_dir, convert_hf_to_gguf(hf_dir, root / f"{name}-f32.gguf"))
 
 
 def prompt_ids(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(4, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -45,7 +139,7 @@ def hf_greedy(hf, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
 
 
 def brisk_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    loaded = load(str(path), max_model_len=256, warmup=False, quantization="none")
+    loaded = load(str(path), max_model_len=MAX_LEN, warmup=False, quantization="none")
     cache = SingleSequenceCache(loaded.config, len(ids), torch.float32, "cpu")
     cache.begin(len(ids))
     with torch.inference_mode():
@@ -53,7 +147,8 @@ def brisk_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 def brisk_greedy(path: Path, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
-    llm = LLM(str(path), quantization="none", max_model_len=256, num_blocks=64)
+    """Through the engine (paged KV cache, scheduler, the attention backend the model gets)."""
+    llm = LLM(str(path), quantization="none", max_model_len=MAX_LEN, num_blocks=64, max_num_batched_tokens=32)
     return llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
 
 
@@ -62,66 +157,59 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual / scale, expected / scale, rtol=0, atol=1e-4)
 
 
-# -- Llama 3.1+: llama3 RoPE, from rope_scaling (HF) and from rope_freqs.weight (GGUF) ------------
-@pytest.fixture(scope="module")
-def llama31(tmp_path_factory, demo, brisk_cache):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("llama31")
-    cfg = LlamaConfig(vocab_size=demo.config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 32},
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(root / "hf")
-    demo_tokenizer_files(demo, root / "hf")
-    gguf = convert_hf_to_gguf(root / "hf", root / "llama31-f32.gguf")
-    return hf, root / "hf", gguf
-
-
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_llama31_logits_and_greedy_tokens_match_hf(llama31, source):
-    hf, hf_dir, gguf = llama31
-    path = hf_dir if source == "hf" else gguf
-    ids = prompt_ids(hf.config.vocab_size)
-    assert_logits_close(brisk_logits(path, ids), hf_logits(hf, ids))
-    assert brisk_greedy(path, ids) == hf_greedy(hf, ids)
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_and_greedy_tokens_match_hf(built, name, source):
+    model = built(name)
+    path = model.hf_dir if source == "hf" else model.gguf
+    ids = prompt_ids(model.hf.config.vocab_size)
+    assert_logits_close(brisk_logits(path, ids), hf_logits(model.hf, ids))
+    assert brisk_greedy(path, ids) == hf_greedy(model.hf, ids)
 
 
-def test_the_gguf_holds_its_rope_scaling_as_rope_freqs(llama31):
+def test_sentencepiece_gguf_vocabulary_tokenizes_as_transformers(built, brisk_cache):
+    """Gemma's GGUF carries the SentencePiece pieces and scores only: brisk's rebuilt tokenizer
+    must split text as transformers' tokenizer.json made from the same model."""
+    model = built("gemma")
+    load(str(model.gguf), max_model_len=MAX_LEN, warmup=False, quantization="none")  # converts it
+    ours = Tokenizer.from_dir(converted_dir(brisk_cache, model.gguf, "none")).fast
+    reference = Tokenizer.from_dir(model.hf_dir).fast
+    texts = ["Hello world", "  two  spaces  ", "brisk serve --port 8000\n\nnext line", "你好，世界。",
+             "Grüße — naïve façade 🙂 🦙", "<start_of_turn>user\nhi<end_of_turn>", "ZZZ qqq ÆØÅ 𝔘𝔫𝔦"]
+    for text in texts:
+        assert ours.encode(text, add_special_tokens=False).ids == \
+            reference.encode(text, add_special_tokens=False).ids, text
+
+
+def test_the_llama31_gguf_holds_its_rope_scaling_as_rope_freqs(built):
     """What made Llama 3.1 GGUFs silently wrong: the scaling lives in a tensor, not in metadata."""
     import gguf
 
-    reader = gguf.GGUFReader(str(llama31[2]))
+    reader = gguf.GGUFReader(str(built("llama31").gguf))
     assert "rope_freqs.weight" in {t.name for t in reader.tensors}
     assert not any("rope.scaling" in key for key in reader.fields)
 
 
-def test_a_gguf_tensor_brisk_would_not_read_is_refused(llama31, tmp_path, brisk_cache):
+def test_a_gguf_tensor_brisk_would_not_read_is_refused(built, tmp_path, brisk_cache):
     import gguf
-    import numpy as np
 
-    reader = gguf.GGUFReader(str(llama31[2]))
+    reader = gguf.GGUFReader(str(built("llama31").gguf))
     path = tmp_path / "extra-tensor.gguf"
     writer = gguf.GGUFWriter(str(path), arch="llama")
-    for key, field in reader.fields.items():
+    for key, field_ in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = field.contents()
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, value)
+        if field_.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, field_.contents())
         else:
-            writer.add_key_value(key, value, kind)
+            writer.add_key_value(key, field_.contents(), field_.types[0])
     for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
-    writer.add_tensor("blk.0.attn_q_norm.weight", np.ones(16, dtype=np.float32))
+        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed(t.shape.tolist())),
+                          raw_dtype=t.tensor_type)
+    writer.add_tensor("blk.0.ffn_gate_inp.weight", np.ones((4, 64), dtype=np.float32))  # an MoE router
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q_norm\.weight are not read"):
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_gate_inp\.weight are not read"):
         load(str(path), warmup=False, quantization="none")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from brisk import kernels
 from brisk.kernels import fused
 from brisk.engine import hugepages
+from brisk.models.layers import attend
 
 log = logging.getLogger("brisk.attention")
 
@@ -119,8 +120,8 @@ class TorchPagedAttention:
     # the whole decoder stack in one compiled call (brisk/engine/decode_stack.py)
     decode_stack = None
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float):
-        self.cache, self.meta, self.scale = cache, meta, scale
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, softcap: float | None = None):
+        self.cache, self.meta, self.scale, self.softcap = cache, meta, scale, softcap
         # per window (None: the whole context): decode rows' slots and padding mask, built once per
         # step and shared by every layer with that window
         self._decode_slots: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -141,8 +142,7 @@ class TorchPagedAttention:
         keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)
         values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
         query = q.unsqueeze(2)  # [n, num_heads, 1, head_dim]
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=True)
+        attn = attend(query, keys, values, mask, False, self.scale, self.softcap)
         return attn.reshape(n, -1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -171,8 +171,7 @@ class TorchPagedAttention:
                 mask = context_pos <= rows_pos[:, None]
                 if window is not None:  # position i sees i - window + 1 .. i
                     mask &= context_pos > rows_pos[:, None] - window
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                                  is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            attn = attend(query, keys, values, mask, mask is None, self.scale, self.softcap)
             out[rows] = attn.squeeze(0).transpose(0, 1).reshape(seq.num_query, -1)
         return out
 
@@ -192,12 +191,17 @@ class KernelPagedAttention(TorchPagedAttention):
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def attention_backend(device: torch.device, dtype: torch.dtype) -> type[TorchPagedAttention]:
-    """The compiled kernel on CPU for float32/bfloat16 KV when it is built, else the torch path.
+def attention_backend(device: torch.device, dtype: torch.dtype, softcap: float | None = None
+                      ) -> type[TorchPagedAttention]:
+    """The compiled kernel on CPU for float32/bfloat16 KV when it is built, else the torch path
+    (also for soft-capped attention, Gemma 2's, which the kernel does not compute).
     BRISK_ATTENTION=torch forces the torch path (to compare, or to rule the kernel out)."""
     choice = os.environ.get("BRISK_ATTENTION", "auto")
     if choice not in ("auto", "torch"):
         raise ValueError(f"BRISK_ATTENTION={choice!r}: expected 'auto' or 'torch'")
+    if softcap is not None:
+        log.info("paged attention: torch (soft-capped scores)")
+        return TorchPagedAttention
     if (choice == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and kernels.library() is not None):
         log.info("paged attention: compiled CPU kernel (%s)", kernels.attention_isa())

@@ -4,7 +4,8 @@ When every row of a step is one new token, the model's layers run as one C loop 
 kernels the Python path calls one by one (quantized matmuls, RMSNorm, RoPE, K/V store, paged
 attention, SiLU-gate), in the same order: the result is bit-identical, and a step at one row no
 longer pays ~10 Python/ctypes dispatches per layer. Steps with a prompt chunk, float weights,
-other devices or dtypes take the Python path (`LlamaForCausalLM.forward`);
+other devices or dtypes, or a family's extras beyond Llama's block take the Python path
+(`DecoderForCausalLM.forward`);
 `BRISK_DECODE_STACK=off` makes every step take it (to compare).
 
 The per-layer table (weight and cache addresses, shapes) is built once, when the runner is made:
@@ -22,7 +23,7 @@ import torch
 from brisk import kernels
 from brisk.engine.attention import AttentionMetadata, PagedKVCache
 from brisk.models.layers import RopeTables
-from brisk.models.llama import LlamaForCausalLM
+from brisk.models.decoder import DecoderForCausalLM
 from brisk.models.quant import QuantLinear
 
 log = logging.getLogger("brisk.decode_stack")
@@ -80,7 +81,7 @@ class DecodeStack:
     """Callable: (residual [rows, hidden] float32 embeddings, rope tables, step metadata) -> final
     hidden states; `residual` ends as the residual stream (as on the Python path)."""
 
-    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, layers: list[_Layer], dims: _Dims):
+    def __init__(self, lib: ctypes.CDLL, model: DecoderForCausalLM, layers: list[_Layer], dims: _Dims):
         # the model is held so that the weights the layer table points at outlive this object
         self._lib, self._model = lib, model
         self._layers = (_Layer * len(layers))(*layers)
@@ -104,8 +105,10 @@ class DecodeStack:
             reason = "no compiled kernels"
         elif cfg.head_dim > 256 or cfg.num_heads > 128 or cfg.num_heads % cfg.num_kv_heads:
             reason = "attention shape the paged kernel does not take"
-        elif not isinstance(model, LlamaForCausalLM):
+        elif not isinstance(model, DecoderForCausalLM):
             reason = f"model class {type(model).__name__}"
+        elif not cfg.llama_like:
+            reason = f"{cfg.architecture}'s block is not Llama's"
         elif not all(_f32_vector(k) and _f32_vector(v) for k, v in zip(kv.k, kv.v)):
             reason = "KV cache is not float32 on the CPU"
         if reason is None:

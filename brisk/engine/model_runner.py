@@ -39,14 +39,15 @@ class ModelRunner:
         self.block_size = block_size
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
                                loaded.dtype, loaded.device)
-        self.scale = cfg.head_dim ** -0.5
-        self.attention = attention_backend(torch.device(loaded.device), loaded.dtype)
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
+        self.attention = attention_backend(torch.device(loaded.device), loaded.dtype, self.softcap)
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
         self.decode_stack = (DecodeStack.build(self.model, self.kv, self.scale, block_size)
                              if self.attention is KernelPagedAttention else None)
         if batch_invariant and self.attention is not KernelPagedAttention:
             raise BriskError("--batch-invariant needs brisk's compiled paged attention kernel (CPU, float32 or "
-                             "bfloat16 KV, built by `make`; not with BRISK_ATTENTION=torch)")
+                             "bfloat16 KV, built by `make`; not with BRISK_ATTENTION=torch, nor for soft-capped "
+                             "attention such as Gemma 2's)")
         self.batch_invariant = batch_invariant
         self.decode_tables = PersistentBlockTables(-(-loaded.max_model_len // block_size))
 
@@ -79,7 +80,7 @@ class ModelRunner:
         """One forward over all chunks; returns the requests that sampled and their samples (with
         drafted tokens: the tokens each request emits after verification)."""
         input_ids, positions, meta, sample_rows, sample_requests, drafts = self._prepare(chunks)
-        attention = self.attention(self.kv, meta, self.scale)
+        attention = self.attention(self.kv, meta, self.scale, self.softcap)
         if self.decode_stack is not None and not meta.prefills and meta.num_decodes:
             attention.decode_stack = functools.partial(self.decode_stack, meta=meta)
         hidden = self.model(input_ids, positions, attention)

@@ -36,13 +36,13 @@ import torch
 from brisk.errors import ModelLoadError
 from brisk.kernels import QK, TILE_ROWS
 from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64
-from brisk.loading.gguf_header import BRISK_LAYOUT, hf_config  # noqa: F401 (hf_config: callers import it here)
+from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 4  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before)
+CONVERT_VERSION = 5  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -50,18 +50,35 @@ _PLAIN_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# a layer's GGUF tensor -> its name in brisk's model, where present (q/k norms: Qwen3, Gemma 3)
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-# fused output name -> GGUF parts in order
+# Gemma 2/3 norm the attention's output and the MLP's input and output: llama.cpp's ffn_norm is
+# then the norm before the MLP, and post_attention_norm the one of the attention's output
+_SANDWICH_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# fused output name -> GGUF parts in order; Phi-3's GGUFs store them fused already (attn_qkv, and
+# ffn_up holding gate and up)
 _FUSED = {
     "self_attn.qkv_proj.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
     "self_attn.qkv_proj.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "mlp.gate_up_proj.weight": ("ffn_gate.weight", "ffn_up.weight"),
 }
+_STORED_FUSED = {"self_attn.qkv_proj.weight": ("attn_qkv.weight",), "self_attn.qkv_proj.bias": ("attn_qkv.bias",),
+                 "mlp.gate_up_proj.weight": ("ffn_up.weight",)}
+# llama.cpp permutes Q/K rows for these architectures (interleaved RoPE pairs); the others are stored
+# in HF's rotate-half order already
+_PERMUTED = ("llama", "smollm3")
 
 
 # GGUF type -> the quantized format its weights keep under `--quantization auto`
@@ -87,24 +104,12 @@ def converted_dir(cache_root: Path, gguf_path: Path, quantization: str = "auto")
     return cache_root / "converted" / f"{gguf_path.stem}-{quantization}-{cache_key(gguf_path, quantization)}"
 
 
-def open_gguf(path: Path):
-    import gguf  # deferred: only needed on a cache miss
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/IndexError/struct.error on bad files
-        raise ModelLoadError(
-            f"{path}: cannot read GGUF ({type(e).__name__}: {e}); the file is truncated or corrupt — re-download it"
-        ) from None
+def open_gguf(path: Path) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def read_metadata(reader) -> dict[str, Any]:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        meta[key] = field.contents()
-    return meta
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
+    return reader.metadata
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -190,18 +195,19 @@ def target_format(name: str, qtype: str, shape: tuple[int, ...], quantization: s
 class _Tensors:
     """GGUF tensors in HF orientation ([out, in]): dequantized to float32, or kept as quantized blocks."""
 
-    def __init__(self, reader, config: dict[str, Any], source: str, quantization: str):
+    def __init__(self, reader: GGUFFile, config: dict[str, Any], source: str, quantization: str):
+        self.reader = reader
         self.by_name = {t.name: t for t in reader.tensors}
         self.config = config
         self.source = source
         self.quantization = quantization
-        self.permute = config["model_type"] == "llama"
+        self.permute = config["model_type"] in _PERMUTED
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self.by_name[name].shape))
+        return self.by_name[name].shape
 
     def qtype(self, name: str) -> str:
-        return check_type(self.source, name, self.by_name[name].tensor_type.name)
+        return check_type(self.source, name, self.by_name[name].type_name)
 
     def target_format(self, name: str) -> QuantFormat | None:
         return target_format(name, self.qtype(name), self.shape(name), self.quantization)
@@ -214,8 +220,7 @@ class _Tensors:
         return values
 
     def load(self, name: str) -> np.ndarray:
-        t = self.by_name[name]
-        values = DEQUANTIZERS[self.qtype(name)](np.asarray(t.data)).reshape(self.shape(name))
+        values = DEQUANTIZERS[self.qtype(name)](self.reader.data(self.by_name[name])).reshape(self.shape(name))
         return self._unpermuted(name, values)
 
     def load_as(self, name: str, fmt: QuantFormat | None) -> dict[str, np.ndarray]:
@@ -223,7 +228,7 @@ class _Tensors:
         if fmt is None:
             return {"weight": self.load(name)}
         qtype, (rows, cols) = self.qtype(name), self.shape(name)
-        raw = np.asarray(self.by_name[name].data)
+        raw = self.reader.data(self.by_name[name])
         if qtype in ("Q4_0", "Q4_1", "Q8_0") and NATIVE_FORMATS[qtype].bits == fmt.bits and \
                 (fmt.has_mins or not NATIVE_FORMATS[qtype].has_mins):
             arrays = _with_format(_repack_legacy(raw, rows, cols, qtype), fmt)
@@ -267,11 +272,11 @@ def _groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
     for gguf_name, hf_name in _PLAIN_NAMES.items():
         if gguf_name in tensors.by_name:
             groups.append((hf_name, [gguf_name]))
+    layer_names = _SANDWICH_NAMES if tensors.config["model_type"] in ("gemma2", "gemma3_text") else _LAYER_NAMES
+    fused = _STORED_FUSED if tensors.config["model_type"] == "phi3" else _FUSED
     for i in range(num_layers):
         prefix = f"blk.{i}."
-        for part, hf_part in _LAYER_NAMES.items():
-            groups.append((f"model.layers.{i}.{hf_part}", [prefix + part]))
-        for hf_part, parts in _FUSED.items():
+        for hf_part, parts in fused.items():
             names = [prefix + p for p in parts]
             present = [n in tensors.by_name for n in names]
             if not any(present):
@@ -280,6 +285,10 @@ def _groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
                 missing = [n for n, p in zip(names, present) if not p]
                 raise ModelLoadError(f"{tensors.source}: GGUF lacks tensor(s) {', '.join(missing)}")
             groups.append((f"model.layers.{i}.{hf_part}", names))
+        taken = {n for _, names in groups for n in names}
+        for part, hf_part in layer_names.items():
+            if prefix + part in tensors.by_name and prefix + part not in taken:
+                groups.append((f"model.layers.{i}.{hf_part}", [prefix + part]))
     return groups
 
 
@@ -298,18 +307,31 @@ def _plan(tensors: _Tensors, groups: list[tuple[str, list[str]]]
 
 
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+_ROPE_TENSORS = (ROPE_FREQS, ROPE_LONG, ROPE_SHORT)
 
 
 def _read_rope_factors(tensors: _Tensors, config: dict[str, Any]) -> None:
-    """Llama 3.1+: llama.cpp's converter stores the llama3 RoPE scaling as per-frequency divisors."""
+    """RoPE scaling that llama.cpp's converter stores as tensors: Llama 3.1+'s llama3 scaling as
+    per-frequency divisors, Phi-3's LongRoPE as its short and long factors."""
     if ROPE_FREQS in tensors.by_name:
         config["rope_freq_factors"] = [float(f) for f in tensors.load(ROPE_FREQS).reshape(-1)]
+    if ROPE_LONG in tensors.by_name or ROPE_SHORT in tensors.by_name:
+        factors = {k: [float(f) for f in tensors.load(name).reshape(-1)] for k, name in
+                   (("long_factor", ROPE_LONG), ("short_factor", ROPE_SHORT)) if name in tensors.by_name}
+        if len(factors) < 2:
+            raise ModelLoadError(f"{tensors.source}: GGUF has only one of {ROPE_LONG} and {ROPE_SHORT}")
+        config["rope_scaling"] = {
+            "rope_type": "longrope", **factors, "rope_theta": config["rope_theta"],
+            "original_max_position_embeddings": config.get("original_max_position_embeddings",
+                                                           config["max_position_embeddings"]),
+            "attention_factor": config.pop("brisk_rope_attention_factor", None)}
 
 
 def _check_all_tensors_used(tensors: _Tensors, groups: list[tuple[str, list[str]]]) -> None:
     """A tensor the model does not read would leave it silently wrong (as `rope_freqs.weight` once
     did): refuse the file, naming it, before anything is written."""
-    used = {ROPE_FREQS} | {part for _, parts in groups for part in parts}
+    used = set(_ROPE_TENSORS) | {part for _, parts in groups for part in parts}
     unused = sorted(set(tensors.by_name) - used)
     if unused:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")

@@ -20,7 +20,7 @@ from brisk.loading.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
 from brisk.models import quant
 from brisk.models.linear import Linear
-from brisk.models.llama import LlamaForCausalLM
+from brisk.models.decoder import DecoderForCausalLM
 from brisk.models.registry import resolve
 from brisk.models.simple_cache import SingleSequenceCache
 from brisk.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     tokenizer: Tokenizer
     config: ModelConfig
     model_dir: Path
@@ -105,10 +105,13 @@ def model_state(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict
         for kind in ("weight", "bias"):
             _fuse(tensors, f"{attn}qkv_proj.{kind}", [f"{attn}{p}_proj.{kind}" for p in "qkv"])
         _fuse(tensors, f"{mlp}gate_up_proj.weight", [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"])
+    if cfg.norm_weight_offset:  # Gemma's RMSNorm scales by (1 + w): folded in once, in float32 as HF computes it
+        for name in [n for n in tensors if n.endswith("norm.weight")]:
+            tensors[name] = tensors[name].float() + cfg.norm_weight_offset
     return tensors
 
 
-def _expected_names(model: LlamaForCausalLM) -> set[str]:
+def _expected_names(model: DecoderForCausalLM) -> set[str]:
     names = set(model.state_dict().keys())
     if model.config.tie_word_embeddings:  # the head reads the embedding's tensors
         names = {n for n in names if not n.startswith("lm_head.")}
@@ -196,7 +199,7 @@ def _to_cuda(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torc
     return out
 
 
-def _warmup(model: LlamaForCausalLM, cfg: ModelConfig, device, dtype,
+def _warmup(model: DecoderForCausalLM, cfg: ModelConfig, device, dtype,
             maps: list[safetensors_io.MappedFile]) -> None:
     for module in model.modules():  # oneDNN weight layouts now, not on the first request
         if isinstance(module, Linear):
@@ -253,7 +256,7 @@ def load(model: str | None = None, *, device: str | None = None, dtype: str | No
         shards, maps, prefetcher = safetensors_io.load_checkpoint(model_dir)
     with report.phase("module_build"):
         with torch.device("meta"):
-            net = LlamaForCausalLM(cfg)
+            net = DecoderForCausalLM(cfg)
         tensors = model_state(shards, cfg)
         if quantization in quant.QUANTIZERS and not any(_is_quantized(n) for n in tensors):
             _quantize_at_load(tensors, quantization)

@@ -5,92 +5,29 @@ or converted: a model that cannot fit is refused at start with the numbers.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 from brisk.errors import BriskError
 from brisk.loading import safetensors_io
-
-# GGUF metadata value types -> struct format of one item (strings and arrays are handled apart)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-class _Cursor:
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def take(self, fmt: str):
-        value = struct.unpack_from("<" + fmt, self.data, self.pos)
-        self.pos += struct.calcsize("<" + fmt)
-        return value[0] if len(value) == 1 else value
-
-    def string(self) -> str:
-        length = self.take("Q")
-        self.pos += length
-        return self.data[self.pos - length:self.pos].decode("utf-8", "replace")
-
-    def value(self, kind: int):
-        if kind == _STRING:
-            return self.string()
-        if kind == _ARRAY:
-            item_kind, count = self.take("I"), self.take("Q")
-            if item_kind in _SCALARS:  # not needed here: skip without decoding
-                self.pos += count * struct.calcsize("<" + _SCALARS[item_kind])
-            else:
-                for _ in range(count):
-                    self.value(item_kind)
-            return None
-        return self.take(_SCALARS[kind])
-
-
-def gguf_header(path: Path) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
-    """(scalar metadata, [(tensor name, type name, shape as [out, in])]) from a GGUF header."""
-    import gguf
-
-    with open(path, "rb") as f:
-        data = f.read(64 << 20)  # headers with a 150k-token vocabulary are ~10 MB
-    cur = _Cursor(data)
-    try:
-        if cur.take("I") != 0x46554747:
-            raise ValueError("not a GGUF file")
-        cur.take("I")  # format version
-        num_tensors, num_kv = cur.take("Q"), cur.take("Q")
-        meta = {}
-        for _ in range(num_kv):
-            key = cur.string()
-            meta[key] = cur.value(cur.take("I"))
-        tensors = []
-        for _ in range(num_tensors):
-            name = cur.string()
-            dims = [cur.take("Q") for _ in range(cur.take("I"))]
-            kind = cur.take("I")
-            cur.take("Q")  # data offset
-            known = kind in gguf.GGMLQuantizationType._value2member_map_
-            type_name = gguf.GGMLQuantizationType(kind).name if known else f"type {kind}"
-            tensors.append((name, type_name, tuple(reversed(dims))))
-    except (struct.error, ValueError) as e:
-        from brisk.errors import ModelLoadError
-
-        raise ModelLoadError(f"{path}: cannot read GGUF (its header: {e}); the file is truncated or corrupt — "
-                             "re-download it") from None
-    return meta, tensors
+from brisk.loading.gguf_header import read_gguf_header
 
 
 def gguf_weight_bytes(path: Path, quantization: str) -> tuple[int, dict]:
     """Bytes the converted weights will take, and the GGUF's scalar metadata."""
     from brisk.loading import gguf_convert
 
-    meta, tensors = gguf_header(path)
+    header = read_gguf_header(path)
     total = 0
-    for name, qtype, shape in tensors:
-        fmt = gguf_convert.target_format(name, gguf_convert.check_type(str(path), name, qtype), shape, quantization)
+    for tensor in header.tensors:
+        name, shape = tensor.name, tensor.shape
+        fmt = gguf_convert.target_format(name, gguf_convert.check_type(str(path), name, tensor.type_name), shape,
+                                         quantization)
         for suffix, dtype in gguf_convert.stored_arrays(fmt):
             numel = 1
             for dim in (shape if fmt is None else gguf_convert.stored_shape(suffix, *shape, fmt)):
                 numel *= dim
             total += numel * {"F32": 4, "F16": 2, "U8": 1, "I8": 1}[dtype]
-    return total, meta
+    return total, header.metadata
 
 
 def gguf_kv_bytes_per_token(meta: dict, dtype_bytes: int) -> int:

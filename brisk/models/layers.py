@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm and rotary embeddings.
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, and attention's math.
 
 RoPE frequencies follow Hugging Face's definitions for every scaling type found in
 HF configs (`default`, `linear`, `dynamic`, `llama3`, `yarn`), computed in float32
@@ -11,6 +11,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ModelConfig, RopeConfig
@@ -28,8 +29,8 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rotary_dim(cfg: ModelConfig) -> int:
-    return int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+def rotary_dim(cfg: ModelConfig, rope: RopeConfig | None = None) -> int:
+    return int(cfg.head_dim * (rope or cfg.rope).partial_rotary_factor)
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -37,24 +38,26 @@ def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** exponents)
 
 
-def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None, rope: RopeConfig | None = None
+                  ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] and the cos/sin scaling factor.
 
     `seq_len` matters only for `dynamic` (NTK) scaling, whose base grows with the
     longest sequence served; brisk passes `max_model_len` so that every cached K
     was rotated with the same frequencies (HF recomputes them per forward instead).
-    A GGUF's frequency factors divide the result, as llama.cpp applies them.
+    A GGUF's frequency factors divide the result, as llama.cpp applies them. `rope`: the layer's
+    own RoPE where it is not the model's (Gemma 3's sliding layers).
     """
-    inv_freq, scaling = _typed_inv_freq(cfg, seq_len)
-    factors = cfg.rope.freq_factors
+    rope = rope or cfg.rope
+    inv_freq, scaling = _typed_inv_freq(cfg, rope, seq_len)
+    factors = rope.freq_factors
     if factors is not None:
         inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return inv_freq, scaling
 
 
-def _typed_inv_freq(cfg: ModelConfig, seq_len: int | None) -> tuple[torch.Tensor, float]:
-    rope: RopeConfig = cfg.rope
-    dim = rotary_dim(cfg)
+def _typed_inv_freq(cfg: ModelConfig, rope: RopeConfig, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    dim = rotary_dim(cfg, rope)
     if rope.rope_type == "default":
         return _base_inv_freq(rope.theta, dim), 1.0
     if rope.rope_type == "linear":
@@ -68,6 +71,8 @@ def _typed_inv_freq(cfg: ModelConfig, seq_len: int | None) -> tuple[torch.Tensor
         return _llama3_inv_freq(rope, dim), 1.0
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(rope, dim)
+    if rope.rope_type == "longrope":
+        return _longrope_inv_freq(rope, dim, seq_len)
     raise ValueError(f"unknown rope_type {rope.rope_type!r}")  # ModelConfig validated it
 
 
@@ -118,15 +123,29 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(rope: RopeConfig, dim: int, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency factors, the long ones when the served context exceeds the
+    pretrained one. brisk decides once, for `max_model_len` (as llama.cpp does for its context size):
+    every cached K then uses the same frequencies; transformers decides per forward, by its length."""
+    original = rope.get("original_max_position_embeddings")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if rope.factor <= 1.0 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
+    factors = rope.get("long_factor") if seq_len and seq_len > original else rope.get("short_factor")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** exponents), float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (rotate-half layout)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str | None = None,
+                 rope: RopeConfig | None = None):
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(cfg, seq_len=max_positions)
+        inv_freq, scaling = rope_inv_freq(cfg, seq_len=max_positions, rope=rope)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
-        self.rotary_dim = rotary_dim(cfg)
+        self.rotary_dim = rotary_dim(cfg, rope)
         self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scaling).to(device), persistent=False)
 
@@ -144,3 +163,26 @@ class RopeTables(NamedTuple):
         """Rotate in place the first `heads` heads of each row of x [T, width] (q and k heads side
         by side in the fused qkv projection rotate in one pass)."""
         fused.rope_(x, heads, head_dim, self.cos, self.sin, self.rotary_dim)
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           is_causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """query [B, heads, L, D], keys/values [B, kv_heads, S, D] (GQA) -> [B, heads, L, D].
+
+    SDPA, except with Gemma 2's soft-capping (scores -> cap * tanh(scores / cap) before the
+    softmax), which SDPA cannot express: then the eager math, as transformers runs Gemma 2."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
+    groups = query.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        length, span = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(length, span, dtype=torch.bool, device=scores.device).tril(span - length)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    return torch.matmul(weights, values)

@@ -4,9 +4,9 @@ and the reference tests. The paged engine replaces it for serving."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from brisk.config import ModelConfig
+from brisk.models.layers import attend
 
 
 class SingleSequenceCache:
@@ -23,7 +23,7 @@ class SingleSequenceCache:
         self.max_len = max_len
         self.num_cached = 0
         self.num_new = 0
-        self.scale = cfg.head_dim ** -0.5
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
         self.layer_windows = cfg.layer_windows
 
     def begin(self, num_new_tokens: int) -> None:
@@ -52,8 +52,6 @@ class SingleSequenceCache:
             mask = context <= rows  # [T, S]
             if window is not None:  # sliding window: position i sees i - window + 1 .. i
                 mask &= context > rows - window
-        out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, is_causal=(mask is None and self.num_new > 1),
-            scale=self.scale, enable_gqa=True,
-        )  # [1, num_heads, T, head_dim]
+        out = attend(query, keys, values, mask, mask is None and self.num_new > 1, self.scale,
+                     self.softcap)  # [1, num_heads, T, head_dim]
         return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
