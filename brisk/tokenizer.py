@@ -38,10 +38,50 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks assistant tokens for training
+    masks): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _template_dict(*args, **kwargs) -> dict:
+    return dict(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's namespace without underscore-prefixed attributes (as transformers restricts it)."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 - jinja's own signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not set the attribute {name!r}")
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile like HF: sandboxed, trim_blocks/lstrip_blocks, `raise_exception`, `tojson`."""
+    """Compile as transformers does: sandboxed, trim_blocks/lstrip_blocks, loop controls, its
+    `generation` tag, `raise_exception`, `strftime_now`, `tojson` (no HTML escaping), `dict`, `namespace`."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -50,12 +90,28 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _template_dict
+    env.globals["namespace"] = _TemplateNamespace
     return env.from_string(source)
+
+
+# transformers fills `reasoning_content` (and gpt-oss's `thinking`) from the older names of a message's reasoning
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# the special tokens transformers passes to every template, by tokenizer_config.json's names
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _aliased_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for message in messages:
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        out.append(message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning})
+    return out
 
 
 @functools.lru_cache(maxsize=8)
 def _template_variables(source: str) -> frozenset[str]:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
@@ -65,6 +121,7 @@ class Tokenizer:
         self.config = config
         self.bos_token = _token_str(config.get("bos_token"))
         self.eos_token = _token_str(config.get("eos_token"))
+        self.special_tokens = {k: _token_str(config[k]) for k in _SPECIAL_TOKENS if config.get(k) is not None}
         self.bos_token_id = fast.token_to_id(self.bos_token) if self.bos_token else None
         eos_ids = list(eos_token_ids)
         if self.eos_token and fast.token_to_id(self.eos_token) is not None:
@@ -120,24 +177,27 @@ class Tokenizer:
         return self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render as transformers' apply_chat_template(tokenize=False) does: the messages (reasoning under
+        all its names), `tools` and `documents` (None when absent), the special tokens, and `kwargs`
+        (a request's chat_template_kwargs, e.g. enable_thinking)."""
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         try:
-            return self._chat_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
-            )
+            return self._chat_template.render(**{
+                "bos_token": "", "eos_token": "", **self.special_tokens, **kwargs,
+                "messages": _aliased_reasoning(messages), "tools": tools or None, "documents": None,
+                "add_generation_prompt": add_generation_prompt})
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed to render: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a template is code: whatever it raises is its failure on these messages
+            raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
         """Token ids of the rendered template; the template itself places any BOS (HF semantics)."""
-        extra = {"tools": tools} if tools else {}
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     @property
     def template_variables(self) -> set[str]:

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from brisk.server.preflight import chat_template
-from brisk.structured.tools import StreamingToolParser, ToolPlan, parse
+from brisk.structured.tools import ToolCallParser, ToolPlan, parse
 
 from live_server import serve_engine
 from test_engine_batching import make_engine
@@ -157,7 +157,7 @@ CALL = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</t
 @pytest.mark.parametrize("text, content, names", [
     ("Just text.", "Just text.", []),
     (CALL, None, ["get_time"]),
-    ("Let me check. " + CALL + "\n" + CALL, "Let me check.", ["get_time", "get_time"]),
+    ("Let me check. " + CALL + "\n" + CALL.replace("UTC", "CET"), "Let me check.", ["get_time", "get_time"]),
     ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', []),
     ("<tool_call>{broken", "<tool_call>{broken", []),
@@ -181,23 +181,67 @@ def test_json_style_parse(text, content, names):
 
 def test_one_call_only_without_parallel_calls():
     single = ToolPlan(TOOLS, "auto", None, False, "hermes")
-    content, calls = parse(CALL + "\n" + CALL, single)
-    assert len(calls) == 1 and content == CALL  # the second stays text: nothing is dropped
-    content, calls = parse('[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
+    content, calls = parse(CALL + "\n" + CALL.replace("UTC", "CET"), single)
+    assert len(calls) == 1 and content == "\n" + CALL.replace("UTC", "CET")  # the second stays text: nothing dropped
+    content, calls = parse('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {}}]',
                            ToolPlan(TOOLS, "auto", None, False, "json"))
-    assert calls == [] and content.startswith("[")
+    assert [c["function"]["name"] for c in calls] == ["get_time"] and content.startswith(", {")
 
 
-def test_streaming_parser_sends_text_and_holds_calls():
-    parser = StreamingToolParser(HERMES)
-    sent = "".join(parser.feed(piece) for piece in ["Let me ", "check. <tool", "_call>\n{\"name\": ", '"get_time", ',
-                                                      '"arguments": {"timezone": "UTC"}}\n</tool_call>'])
-    sent += parser.finish()
-    assert sent == "Let me check. " and [c["function"]["name"] for c in parser.calls] == ["get_time"]
-    parser = StreamingToolParser(HERMES)  # text between and after calls, and a malformed call, are content too
-    broken = "<tool_call>{broken</tool_call>"
-    sent = parser.feed("Hi. " + CALL + " then " + broken + CALL + " bye") + parser.finish()
-    assert sent.strip() == parse("Hi. " + CALL + " then " + broken + CALL + " bye", HERMES)[0]
-    assert "then" in sent and broken in sent and sent.endswith("bye") and len(parser.calls) == 2
-    parser = StreamingToolParser(HERMES)  # a "<" that turns out not to start a call is still sent
-    assert parser.feed("a <") == "a " and parser.feed("b") == "<b" and parser.finish() == ""
+def _streamed(plan, pieces):
+    """(content, {index: name and arguments}) as a client's stream accumulator rebuilds them."""
+    parser, content, calls = ToolCallParser(plan), "", {}
+    for piece in [*pieces, None]:
+        sent, deltas = parser.feed(piece) if piece is not None else parser.finish()
+        content += sent
+        for d in deltas:
+            entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.name or ""
+            entry["arguments"] += d.arguments
+    return content, calls
+
+
+def test_streaming_parser_sends_text_then_the_call_in_fragments():
+    pieces = ["Let me ", "check. <tool", "_call>\n{\"name\": ", '"get_time", ', '"arguments": {"timezone": ',
+              '"UTC"}}\n</tool_call>']
+    parser, fragments = ToolCallParser(HERMES), []
+    for piece in pieces:
+        fragments.append(parser.feed(piece))
+    assert fragments[0] == ("Let me", []) and fragments[1][0] == " check."
+    starts = [d for _, deltas in fragments for d in deltas if d.name]
+    args = [d.arguments for _, deltas in fragments for d in deltas if not d.name]
+    assert [d.name for d in starts] == ["get_time"] and len(args) >= 2  # id and name first, then fragments
+    assert "".join(args) == '{"timezone": "UTC"}'
+
+
+@pytest.mark.parametrize("plan, text", [
+    (HERMES, "Hi. " + CALL + " then <tool_call>{broken</tool_call>" + CALL.replace("UTC", "CET") + " bye"),
+    (HERMES, "a <b and <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call> c"),
+    (JSON_STYLE, '<|python_tag|>{"name": "get_time", "parameters": {"timezone": "UTC"}}; '
+                 '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'),
+    (ToolPlan(TOOLS, "auto", None, True, "mistral"), 'Sure. [TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}'),
+    (ToolPlan(TOOLS, "auto", None, True, "mistral"), '[TOOL_CALLS][{"name": "get_time", "arguments": {"timezone": '
+                                                     '"UTC"}}, {"name": "get_time", "arguments": {"timezone": "CET"}}]'),
+])
+def test_streamed_and_whole_replies_agree_at_any_split(plan, text):
+    content, calls = parse(text, plan)
+    for size in (1, 2, 7, len(text)):
+        streamed, streamed_calls = _streamed(plan, [text[i:i + size] for i in range(0, len(text), size)])
+        assert (streamed or None) == content
+        assert [streamed_calls[i] for i in sorted(streamed_calls)] == \
+            [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+
+
+def test_an_immediate_repeat_of_a_call_is_left_out():
+    parser = ToolCallParser(HERMES)
+    parser.feed(CALL + "\n" + CALL + "\n" + CALL.replace("UTC", "CET"))
+    parser.finish()
+    assert [c.arguments for c in parser.calls] == ['{"timezone": "UTC"}', '{"timezone": "CET"}'] and parser.repeated
+
+
+def test_a_call_cut_by_the_token_limit_is_a_call_not_content():
+    parser = ToolCallParser(HERMES)
+    content, _ = parser.feed("Checking. " + CALL[:45])
+    content2, _ = parser.finish()
+    assert content + content2 == "Checking." and parser.cut
+    assert [c.name for c in parser.calls] == ["get_time"] and not parser.calls[0].complete

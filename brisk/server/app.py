@@ -143,7 +143,8 @@ def create_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             messages = message_dicts(body.messages)
             _check_chars(state, _chat_chars(messages), "messages")
-            ids = await state.run_tokenizer(_encode_chat, tok, messages, body.add_generation_prompt)
+            ids = await state.run_tokenizer(lambda: _encode_chat(tok, messages, body.add_generation_prompt,
+                                                                 **(body.chat_template_kwargs or {})))
         else:
             _check_chars(state, len(body.prompt), "prompt")
             ids = await state.run_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
@@ -171,16 +172,19 @@ def create_app(state: ServerState) -> FastAPI:
         _check_chars(state, _chat_chars(messages), "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         tok = state.tokenizer
-        tools = _spec(lambda: tool_plan(body, tok.chat_template_source, tok.template_variables))
+        tools = _spec(lambda: tool_plan(body, tok.chat_template_source, tok.template_variables,
+                                        state.config.tool_call_parser))
         spec = _spec(lambda: _one_constraint(grammar_spec(body), tool_grammar(tools) if tools else None))
         tool_defs = tools.tools if tools else None
+        template_kwargs = body.chat_template_kwargs or {}
         guard = await _guard(state, lambda: guard_chat(
-            messages, lambda m: _encode_chat(tok, m, tools=tool_defs), max_tokens, state.max_model_len,
-            state.config.context_policy))
+            messages, lambda m: _encode_chat(tok, m, tools=tool_defs, **template_kwargs), max_tokens,
+            state.max_model_len, state.config.context_policy))
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await _grammar(state, spec)
         params = _sampling_params(body, guard.max_tokens, num_top, grammar)
-        fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None)
+        fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None,
+                            state.config.reasoning_parser)
         return await _respond(state, raw, body, fmt, [guard], params)
 
     @app.post("/v1/completions")
@@ -232,9 +236,9 @@ def _decode_checked(state: ServerState, ids: list[int]) -> str:
 
 
 def _encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+                 tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
     try:
-        return tok.encode_chat(messages, add_generation_prompt, tools=tools)
+        return tok.encode_chat(messages, add_generation_prompt, tools=tools, **template_kwargs)
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
 
@@ -457,7 +461,7 @@ class _Run:
     async def collect(self) -> dict[str, Any]:
         try:
             async for index, out in self.outputs():
-                pass
+                self.fmt.observe(index, out)
         except asyncio.CancelledError:  # the client left (see _until_disconnect): not an error
             raise
         except BaseException as e:

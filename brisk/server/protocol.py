@@ -202,6 +202,7 @@ class ChatMessage(_Request):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool message: the call it answers
+    reasoning_content: Text | None = None  # an assistant's earlier thinking (templates that render it)
 
     @model_validator(mode="after")
     def _content_required(self):
@@ -280,6 +281,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
+    # vLLM: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -304,6 +307,7 @@ class TokenizeRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as in chat completions: the count matches theirs
 
     @model_validator(mode="after")
     def _exactly_one(self):
@@ -346,6 +350,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 

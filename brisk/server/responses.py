@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 from brisk.engine.outputs import RequestOutput
 from brisk.server.context_guard import GuardResult
-from brisk.structured.tools import StreamingToolParser, ToolPlan, parse as parse_tool_calls
+from brisk.server.reasoning import ReasoningSplitter
+from brisk.structured.tools import ToolCallParser, ToolDelta, ToolPlan
 
 _TIMING_KEYS = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")
 
@@ -60,6 +61,9 @@ class Formatter:
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [], usage=usage)
 
+    def observe(self, index: int, out: RequestOutput) -> None:
+        """Every output of a choice, in order, when the reply is collected rather than streamed."""
+
     def first_chunks(self, jobs, guards: list[GuardResult]) -> list[dict[str, Any]]:
         return []
 
@@ -85,14 +89,55 @@ class Formatter:
         return {"usage": None} if include else {}
 
 
+class _ChoiceReply:
+    """One choice's reply as it arrives: thinking apart (a reasoning parser), then content and tool
+    calls (a tool plan). Streamed and whole replies are read the same way, so they agree."""
+
+    def __init__(self, tools: ToolPlan | None, reasoning_parser: str | None):
+        self.thinking = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
+        self.tools = ToolCallParser(tools) if tools is not None else None
+        self.content = ""
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolDelta]]:
+        """(reasoning, content, call deltas) of this much more text (and of the end, when finished)."""
+        reasoning, answer = self.thinking.feed(text) if self.thinking else ("", text)
+        if finished and self.thinking:
+            more_reasoning, more_answer = self.thinking.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        content, deltas = self.tools.feed(answer) if self.tools else (answer, [])
+        if finished and self.tools:
+            more_content, more_deltas = self.tools.finish()
+            content, deltas = content + more_content, deltas + more_deltas
+        self.content += content
+        return reasoning, content, deltas
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return [c.as_openai() for c in self.tools.calls] if self.tools else []
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for a reply that ended by itself with calls; one cut inside a call
+        stays "length"."""
+        if self.calls and engine_reason == "stop" and not self.tools.cut:
+            return "tool_calls"
+        return engine_reason
+
+
 class ChatFormatter(Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, state, want_logprobs: bool, tools: ToolPlan | None = None):
+    def __init__(self, response_id: str, state, want_logprobs: bool, tools: ToolPlan | None = None,
+                 reasoning_parser: str | None = None):
         super().__init__(response_id, state, want_logprobs)
         self.tools = tools  # parse replies for tool calls (None: plain content)
-        self._parsers: dict[int, StreamingToolParser] = {}
+        self.reasoning_parser = reasoning_parser
+        self._replies: dict[int, _ChoiceReply] = {}
+
+    def _reply(self, index: int) -> _ChoiceReply:
+        if index not in self._replies:
+            self._replies[index] = _ChoiceReply(self.tools, self.reasoning_parser)
+        return self._replies[index]
 
     def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -115,43 +160,40 @@ class ChatFormatter(Formatter):
             chunks.append(self._envelope(self.object_chunk, [choice], brisk=guards[p_index].report()))
         return chunks
 
+    def observe(self, index, out):
+        self._reply(index).feed(out.delta_text, out.finished)
+
     def chunks(self, index, out, body):
-        if self.tools is None:
-            return self._stream_chunk(index, out, body, bool(out.delta_text), lambda: {
-                "delta": {"content": out.delta_text} if out.delta_text else {},
-                "logprobs": self._logprobs(_delta_logprobs(out))})
-        parser = self._parsers.setdefault(index, StreamingToolParser(self.tools))
-        content = parser.feed(out.delta_text)
-        if out.finished:
-            content += parser.finish()
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if out.finished and parser.calls:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(parser.calls)]
+        reply = self._reply(index)
+        reasoning, content, calls = reply.feed(out.delta_text, out.finished)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [c.as_openai() for c in calls]
         chunks = self._stream_chunk(index, out, body, bool(delta), lambda: {
             "delta": delta, "logprobs": self._logprobs(_delta_logprobs(out))})
-        if out.finished and parser.calls:
-            chunks[-1]["choices"][0]["finish_reason"] = _finish_with_calls(out.finish_reason)
+        if out.finished and chunks:
+            chunks[-1]["choices"][0]["finish_reason"] = reply.finish_reason(out.finish_reason)
         return chunks
 
     def full_response(self, finals, jobs, guards, usage):
         choices = []
         for index, *_ in jobs:
-            out = finals[index]
-            message: dict[str, Any] = {"role": "assistant", "content": out.text, "refusal": None}
-            finish = out.finish_reason
-            if self.tools is not None:
-                message["content"], calls = parse_tool_calls(out.text, self.tools)
-                if calls:
-                    message["tool_calls"], finish = calls, _finish_with_calls(finish)
+            out, reply = finals[index], self._reply(index)
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content or None, "refusal": None}
+            if self.reasoning_parser:
+                message["reasoning_content"] = (reply.thinking.reasoning or None) if reply.thinking else None
+            if reply.calls:
+                message["tool_calls"] = reply.calls
+            elif not message["content"] and not self.reasoning_parser:
+                message["content"] = reply.content  # an empty reply is "", not null
             choices.append({"index": index, "message": message, "logprobs": self._logprobs(out.logprobs or []),
-                            "finish_reason": finish, "stop_reason": out.stop_reason})
+                            "finish_reason": reply.finish_reason(out.finish_reason), "stop_reason": out.stop_reason})
         return self._envelope(self.object_full, choices, usage=usage, system_fingerprint=None,
                               brisk=guards[0].report())
-
-
-def _finish_with_calls(finish_reason: str | None) -> str | None:
-    """OpenAI's "tool_calls" for a reply that ended by itself with calls (a cut one stays "length")."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class CompletionFormatter(Formatter):

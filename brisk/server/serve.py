@@ -73,6 +73,8 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
             log_requests=not args.disable_log_requests,
             log_prompts=args.log_prompts,
             log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+            reasoning_parser=getattr(args, "reasoning_parser", None),
+            tool_call_parser=None if getattr(args, "tool_call_parser", "auto") == "auto" else args.tool_call_parser,
         )
     except ValueError as e:
         raise BriskError(str(e)) from None

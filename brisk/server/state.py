@@ -67,6 +67,8 @@ class ServerConfig:
     log_requests: bool = False  # one access-log line per request (brisk serve: on unless --disable-log-requests)
     log_prompts: bool = False  # the prompt text in that line
     log_stats_interval_s: float | None = None  # the periodic engine line (brisk serve: every 10 s while busy)
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> into reasoning_content
+    tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
 
     def __post_init__(self):
         if self.max_queued_requests < 0:
