@@ -18,11 +18,11 @@ from live_server import serve_engine
 from test_engine_batching import make_engine
 
 
-def serve_fails(*argv: str, cwd=None) -> tuple[str, float, str]:
+def serve_fails(*argv: str, cwd=None, env=None) -> tuple[str, float, str]:
     """Run `brisk serve ARGV` with -X importtime; returns (the error line, seconds, modules imported)."""
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "brisk", "serve", *argv],
-                          capture_output=True, text=True, timeout=60, cwd=cwd)
+                          capture_output=True, text=True, timeout=60, cwd=cwd, env=env)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]

@@ -21,7 +21,7 @@ from brisk.loading.report import LoadReport
 from brisk.models import quant
 from brisk.models.linear import Linear
 from brisk.models.decoder import DecoderForCausalLM
-from brisk.models.registry import resolve
+from brisk.models.registry import ModelSource, resolve
 from brisk.models.simple_cache import SingleSequenceCache
 from brisk.tokenizer import Tokenizer
 
@@ -215,7 +215,7 @@ def _warmup(model: DecoderForCausalLM, cfg: ModelConfig, device, dtype,
         model.compute_logits(model(ids, torch.arange(8, device=device), cache)[-1:])
 
 
-def load(model: str | None = None, *, device: str | None = None, dtype: str | None = None,
+def load(model: "str | ModelSource | None" = None, *, device: str | None = None, dtype: str | None = None,
          max_model_len: int | None = None, warmup: bool = True, quantization: str = "auto",
          report: LoadReport | None = None) -> LoadedModel:
     """`quantization`: auto (a GGUF keeps its quantized types, a float checkpoint stays float),

@@ -33,6 +33,13 @@ class ModelSource:
     name: str  # what the user asked for
     path: Path
     kind: str  # "hf-dir" | "gguf"
+    from_hub: bool = False
+
+    @property
+    def served_name(self) -> str:
+        """The model id clients send by default: a catalog name or Hub id as given, else the file's or
+        directory's name."""
+        return self.name if self.name in CATALOG or self.from_hub else self.path.stem
 
 
 def _catalog_path(name: str, entry: CatalogEntry) -> Path:
@@ -49,8 +56,11 @@ def _catalog_path(name: str, entry: CatalogEntry) -> Path:
     return path
 
 
-def resolve(model: str | None) -> ModelSource:
-    """Turn a `--model` value into a concrete source, or raise one clear error."""
+def resolve(model: "str | ModelSource | None") -> ModelSource:
+    """Turn a `--model` value into a concrete source (a Hub id is downloaded, or found in the cache),
+    or raise one clear error. A source already resolved is returned as is."""
+    if isinstance(model, ModelSource):
+        return model
     name = model or DEFAULT_MODEL
     if name in CATALOG:
         return ModelSource(name, _catalog_path(name, CATALOG[name]), "gguf")
@@ -68,7 +78,12 @@ def resolve(model: str | None) -> ModelSource:
                 f"{path}: unsupported model file; brisk reads .gguf files or Hugging Face model directories"
             )
         return ModelSource(name, path, "gguf")
+    from brisk.models import hub
+
+    if hub.is_repo_id(name):
+        found, kind = hub.fetch(name)
+        return ModelSource(name, found, kind, from_hub=True)
     raise ModelLoadError(
-        f"model {name!r} not found: no such directory or file, and not a catalog name "
-        f"(catalog: {', '.join(CATALOG)})"
+        f"model {name!r} not found: no such directory or file, not a catalog name "
+        f"(catalog: {', '.join(CATALOG)}), and not a Hugging Face Hub id (ORG/NAME or ORG/NAME:QUANT)"
     )

@@ -86,23 +86,24 @@ def warn_about_key_flag(args: argparse.Namespace) -> None:
 
 
 def load_async_engine(args: argparse.Namespace, max_model_len: int, chat_template: str | None, build_engine,
-                      report: LoadReport):
-    """Load the model and start its engine thread (single-process serve, and each Ray Serve replica).
+                      report: LoadReport, source=None):
+    """Load the model (`source`: the one pre-flight resolved, else `args.model`) and start its engine
+    thread (single-process serve, and each Ray Serve replica).
 
     The loading runs on a thread that then exits (brisk.engine.omp_teams): the caller's thread may
     live on (Ray Serve's constructor thread does), and an OpenMP team left on it would make the
     engine's own team sleep at every barrier."""
     from brisk.engine.omp_teams import call_in_own_thread
 
-    return call_in_own_thread(_load_async_engine, args, max_model_len, chat_template, build_engine, report)
+    return call_in_own_thread(_load_async_engine, args, max_model_len, chat_template, build_engine, report, source)
 
 
 def _load_async_engine(args: argparse.Namespace, max_model_len: int, chat_template: str | None, build_engine,
-                       report: LoadReport):
+                       report: LoadReport, source=None):
     with report.phase("imports"):
         from brisk.engine.async_engine import AsyncLLMEngine
         from brisk.loading.loader import load
-    loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
+    loaded = load(source or args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
                   quantization=args.quantization, report=report)
     if chat_template is not None:
         loaded.tokenizer.set_chat_template(chat_template)
@@ -117,19 +118,17 @@ def serve(args: argparse.Namespace, build_engine, checked, remote_engine=None, o
     """Serve with the socket and model that `preflight` checked (`checked`). `remote_engine`
     (report -> engine) replaces loading the model here (brisk.cluster: the engines are Ray Serve
     replicas); `on_state` sees the ServerState before the socket answers."""
-    from brisk.models.registry import CATALOG
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     source = checked.source
-    served = source.name if source.name in CATALOG else source.path.stem
-    config = server_config(args, served)
+    config = server_config(args, source.served_name)
     warn_about_key_flag(args)
 
     def factory(report: LoadReport):
         if remote_engine is not None:
             engine = remote_engine(report)
         else:
-            engine = load_async_engine(args, checked.max_model_len, checked.chat_template, build_engine, report)
+            engine = load_async_engine(args, checked.max_model_len, checked.chat_template, build_engine, report,
+                                       source=checked.source)
         log.info("ready: http://%s:%d/v1 serves %s", args.host, args.port, config.served_model_name)
         return engine
 

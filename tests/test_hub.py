@@ -1,0 +1,109 @@
+"""Models from the Hugging Face Hub (`brisk serve ORG/NAME`, `ORG/NAME-GGUF:QUANT`), against a local
+stand-in for the Hub's HTTP API (tests/hub_standin.py) through HF_ENDPOINT: a checkpoint and a GGUF
+are downloaded into brisk's cache and run, an interrupted download resumes, HF_HUB_OFFLINE=1 uses
+the cache, and a model that cannot arrive is one clear error, exit 2, before torch is imported."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from brisk.errors import ModelLoadError
+from brisk.loading.loader import load
+from brisk.models.registry import resolve
+
+from hub_standin import HubStandIn
+from test_bad_input import write_tiny_gguf
+from test_serve_flags import serve_fails
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("hub-repos")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(root / "tiny")
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0")).save(str(root / "tiny" / "tokenizer.json"))
+    checkpoint = {**_files(root / "tiny"), "README.md": b"# tiny", "original/consolidated.pth": b"not read"}
+    gguf = write_tiny_gguf(root / "tiny-F32.gguf").read_bytes()
+    return {"org/tiny": checkpoint,
+            "org/tiny-GGUF": {"tiny-F32.gguf": gguf, "tiny-Q4_K_M.gguf": gguf, "README.md": b"# gguf"}}
+
+
+@pytest.fixture
+def hub(repos, tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    with HubStandIn(repos) as standin:
+        monkeypatch.setenv("HF_ENDPOINT", standin.url)
+        # huggingface_hub read HF_ENDPOINT when it was imported (transformers imports it): set what it derived
+        monkeypatch.setattr(constants, "ENDPOINT", standin.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            standin.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setenv("BRISK_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        yield standin
+
+
+def test_a_checkpoint_repo_downloads_what_brisk_reads_and_runs(hub, tmp_path):
+    source = resolve("org/tiny")
+    assert source.kind == "hf-dir" and source.from_hub and source.served_name == "org/tiny"
+    assert Path(str(tmp_path / "cache" / "hub")) in source.path.parents  # brisk's cache, not ~/.cache
+    assert (source.path / "model.safetensors").is_file() and not (source.path / "original").exists()
+    loaded = load(source, warmup=False, quantization="none")
+    assert loaded.config.num_layers == 1
+
+
+def test_a_gguf_repo_gives_the_quant_asked_for_or_q4_k_m(hub):
+    assert resolve("org/tiny-GGUF:F32").path.name == "tiny-F32.gguf"
+    assert resolve("org/tiny-GGUF").path.name == "tiny-Q4_K_M.gguf"  # llama-server's default type
+    with pytest.raises(ModelLoadError, match=r"'org/tiny-GGUF' has no GGUF of type Q2_K; its GGUFs: tiny-F32"):
+        resolve("org/tiny-GGUF:Q2_K")
+    assert load("org/tiny-GGUF:F32", warmup=False).config.num_layers == 1
+
+
+def test_a_dropped_download_resumes_where_it_stopped(hub):
+    """The connection drops 15 MB into a 24 MB file: huggingface_hub asks for the rest from the last
+    whole chunk it wrote (10 MB), not for the whole file again. (It keeps no partial file across
+    processes since huggingface_hub 1.0: a restarted server downloads that file again.)"""
+    data = os.urandom(24 << 20)
+    hub.repos["org/big-GGUF"] = {"big-Q8_0.gguf": data}
+    hub.drop_after["big-Q8_0.gguf"] = 15 << 20
+    assert resolve("org/big-GGUF:Q8_0").path.read_bytes() == data
+    assert hub.ranges == [("big-Q8_0.gguf", 10 << 20)]
+
+
+def test_offline_uses_the_cache_and_otherwise_says_what_to_do(hub, monkeypatch):
+    first = resolve("org/tiny-GGUF:F32").path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    before = len(hub.requests)
+    assert resolve("org/tiny-GGUF:F32").path == first and len(hub.requests) == before  # no request at all
+    with pytest.raises(ModelLoadError, match=r"model 'org/tiny' is not in brisk's cache .* HF_HUB_OFFLINE"):
+        resolve("org/tiny")
+
+
+def test_unknown_repo_is_one_line(hub):
+    with pytest.raises(ModelLoadError, match=r"Hub repo 'org/nope' was not found .* HF_TOKEN"):
+        resolve("org/nope")
+
+
+def test_serve_without_the_hub_fails_before_torch_is_imported(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "BRISK_CACHE": str(tmp_path)}
+    line, _, imported = serve_fails("Qwen/Qwen3-0.6B", env=env)
+    assert line.startswith("brisk: error: model 'Qwen/Qwen3-0.6B' is not in brisk's cache")
+    assert " torch" not in imported
