@@ -461,6 +461,10 @@ def _needle(p: Prober, o: Options, counter: TokenCounter, window: int, rng, fit)
     out: dict[str, Any] = {"control_found": _answer_has(control, "4721")}
     long_msgs = _chat_of(counter, n, rng, head=fact + " ", tail=question)
     out["long_tokens"] = counter.chat(long_msgs)
+    if out["long_tokens"] is not None and out["long_tokens"] + 12 > window:  # a vocabulary too small for the words
+        out["not_measured"] = (f"recall of an early fact: skipped (the shortest prompt with the fact takes "
+                               f"{out['long_tokens']} tokens, over the {window}-token window)")
+        return out
     long = p.post_json("/v1/chat/completions", {"model": o.model, "messages": long_msgs, "max_tokens": 12,
                                                 "temperature": 0}, timeout_s=o.budget.timeout())
     out["long_found"] = _answer_has(long, "4721") if long.ok else None
