@@ -105,6 +105,27 @@ def test_not_a_gguf_file_fails_fast(tmp_path):
     assert "not a GGUF file" in line and " torch" not in imported and elapsed <= 2.0
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"tokenizer_model": "bert"}, "GGUF tokenizer type 'bert'"),
+    ({"arch": "gptneox"}, "unsupported GGUF architecture 'gptneox'"),
+    ({"tensor_type": "Q2_K"}, "tensor token_embd.weight uses quantization Q2_K"),
+])
+def test_a_gguf_brisk_cannot_run_fails_before_anything_loads(tmp_path, kwargs, needle):
+    """Architecture, tokenizer, tensor type: named with the file in one line, before torch and before
+    any conversion (nothing is written to the cache)."""
+    import gguf
+
+    from test_bad_input import write_tiny_gguf
+
+    if "tensor_type" in kwargs:
+        kwargs["tensor_type"] = gguf.GGMLQuantizationType[kwargs["tensor_type"]]
+    path = write_tiny_gguf(tmp_path / "m.gguf", **kwargs)
+    env = {**__import__("os").environ, "BRISK_CACHE": str(tmp_path / "cache")}
+    line, _, imported = serve_fails("--model", str(path), env=env)
+    assert "m.gguf" in line and needle in line, line
+    assert " torch" not in imported and not (tmp_path / "cache" / "converted").exists()
+
+
 def test_a_port_in_use_fails_before_loading():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

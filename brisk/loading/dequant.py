@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from brisk.errors import ModelLoadError
+
 QK = 32  # elements per block of the legacy formats
 QK_K = 256  # elements per super-block of the k-quants
 
@@ -148,3 +150,12 @@ DEQUANTIZERS = {
     "Q5_K": dequant_q5_k,
     "Q6_K": dequant_q6_k,
 }
+
+
+def check_type(source: str, name: str, qtype: str) -> str:
+    if qtype not in DEQUANTIZERS:
+        raise ModelLoadError(
+            f"{source}: tensor {name} uses quantization {qtype}, which brisk can neither run nor "
+            f"dequantize (it reads {', '.join(DEQUANTIZERS)}); re-quantize the model to one of those, "
+            "e.g. `llama-quantize model.gguf out.gguf Q4_K_M`")
+    return qtype

@@ -35,7 +35,7 @@ import torch
 
 from brisk.errors import ModelLoadError
 from brisk.kernels import QK, TILE_ROWS
-from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64
+from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64, check_type
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
@@ -171,15 +171,6 @@ def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> 
     if suffix == "qweight":
         return (rows, cols // 2 if fmt.bits == 4 else cols)
     return (rows, cols // QK)
-
-
-def check_type(source: str, name: str, qtype: str) -> str:
-    if qtype not in DEQUANTIZERS:
-        raise ModelLoadError(
-            f"{source}: tensor {name} uses quantization {qtype}, which brisk can neither run nor "
-            f"dequantize (it reads {', '.join(DEQUANTIZERS)}); re-quantize the model to one of those, "
-            "e.g. `llama-quantize model.gguf out.gguf Q4_K_M`")
-    return qtype
 
 
 def target_format(name: str, qtype: str, shape: tuple[int, ...], quantization: str) -> QuantFormat | None:

@@ -25,6 +25,7 @@ from brisk.errors import ModelLoadError
 # llama.cpp's token types
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"  # SentencePiece's "▁"
+_READERS = ("gpt2", "llama", "gemma4")  # the `tokenizer.ggml.model` types brisk rebuilds
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -109,13 +110,25 @@ def _byte_level(pre: PreTokenizer) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
+def check_vocabulary(meta: dict[str, Any], source: str) -> None:
+    """Refuse, naming it, a tokenizer type or BPE pre-tokenizer brisk cannot rebuild (metadata only:
+    the pre-flight check before anything is converted)."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in _READERS:
+        what = {"bert": "BERT's WordPiece (an encoder model, not a generator)", "t5": "T5's Unigram",
+                "rwkv": "RWKV's"}.get(kind, repr(kind))
+        raise ModelLoadError(f"{source}: GGUF tokenizer type {kind!r} ({what}) is not supported; brisk reads "
+                             f"{', '.join(_READERS)} vocabularies")
+    if kind == "gpt2":
+        pre_name = meta.get("tokenizer.ggml.pre") or "default"
+        if pre_name not in PRE_TOKENIZERS:
+            raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre_name!r} is not one brisk knows (it reads "
+                                 f"{len(PRE_TOKENIZERS)} of llama.cpp's, e.g. llama-bpe, qwen2, tekken); use the "
+                                 "model's Hugging Face directory instead")
+
+
 def _bpe(meta: dict[str, Any], tokens: list[str], source: str) -> Tokenizer:
-    pre_name = meta.get("tokenizer.ggml.pre") or "default"
-    pre = PRE_TOKENIZERS.get(pre_name)
-    if pre is None:
-        raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre_name!r} is not one brisk knows (it reads "
-                             f"{len(PRE_TOKENIZERS)} of llama.cpp's, e.g. llama-bpe, qwen2, tekken); use the "
-                             "model's Hugging Face directory instead")
+    pre = PRE_TOKENIZERS[meta.get("tokenizer.ggml.pre") or "default"]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges(meta), fuse_unk=False,
                                byte_fallback=False, ignore_merges=pre.ignore_merges))
     tok.pre_tokenizer = _byte_level(pre)
@@ -170,11 +183,10 @@ def _gemma4(meta: dict[str, Any], tokens: list[str], source: str) -> Tokenizer:
     return tok
 
 
-_READERS = ("gpt2", "llama", "gemma4")
-
 
 def build_tokenizer(meta: dict[str, Any], source: str) -> tuple[Tokenizer, dict[str, Any]]:
     """(fast tokenizer, tokenizer_config dict) from `tokenizer.*` GGUF metadata."""
+    check_vocabulary(meta, source)
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
@@ -182,13 +194,8 @@ def build_tokenizer(meta: dict[str, Any], source: str) -> tuple[Tokenizer, dict[
         tok = _bpe(meta, tokens, source)
     elif kind == "llama":
         tok = _spm(meta, tokens, types, source)
-    elif kind == "gemma4":
-        tok = _gemma4(meta, tokens, source)
     else:
-        what = {"bert": "BERT's WordPiece (an encoder model, not a generator)", "t5": "T5's Unigram",
-                "rwkv": "RWKV's"}.get(kind, repr(kind))
-        raise ModelLoadError(f"{source}: GGUF tokenizer type {kind!r} ({what}) is not supported; brisk reads "
-                             f"{', '.join(_READERS)} vocabularies")
+        tok = _gemma4(meta, tokens, source)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind_ in zip(tokens, types) if kind_ == _CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)

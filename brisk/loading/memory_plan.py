@@ -9,6 +9,7 @@ from pathlib import Path
 
 from brisk.errors import BriskError
 from brisk.loading import safetensors_io
+from brisk.loading.dequant import check_type
 from brisk.loading.gguf_header import read_gguf_header
 
 
@@ -20,7 +21,7 @@ def gguf_weight_bytes(path: Path, quantization: str) -> tuple[int, dict]:
     total = 0
     for tensor in header.tensors:
         name, shape = tensor.name, tensor.shape
-        fmt = gguf_convert.target_format(name, gguf_convert.check_type(str(path), name, tensor.type_name), shape,
+        fmt = gguf_convert.target_format(name, check_type(str(path), name, tensor.type_name), shape,
                                          quantization)
         for suffix, dtype in gguf_convert.stored_arrays(fmt):
             numel = 1

@@ -31,12 +31,19 @@ class Preflight:
 
 
 def model_config(source) -> dict[str, Any]:
-    """The HF-style config of a resolved model source, from its metadata alone."""
+    """The HF-style config of a resolved model source, from its metadata alone. A GGUF is also held
+    to what brisk can convert: its architecture, tokenizer type, pre-tokenizer and tensor types."""
     if source.kind == "gguf":
-        from brisk.loading.gguf_header import hf_config
-        from brisk.loading.gguf_header import read_gguf_metadata
+        from brisk.loading.dequant import check_type
+        from brisk.loading.gguf_header import hf_config, read_gguf_header
+        from brisk.loading.gguf_tokenizer import check_vocabulary
 
-        return hf_config(read_gguf_metadata(source.path), True, str(source.path))
+        header = read_gguf_header(source.path)
+        config = hf_config(header.metadata, True, str(source.path))
+        check_vocabulary(header.metadata, str(source.path))
+        for tensor in header.tensors:
+            check_type(str(source.path), tensor.name, tensor.type_name)
+        return config
     path = Path(source.path) / "config.json"
     try:
         return json.loads(path.read_text(encoding="utf-8"))
