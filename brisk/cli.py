@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-token-ids", type=int, default=262_144,
                         help="token ids one request may send (/detokenize, token-id prompts; default 262,144); "
                              "more: 413")
+    limits.add_argument("--max-messages", type=int, default=10_000,
+                        help="chat messages one request may send (default 10,000; each costs template work "
+                             "beyond its characters); more: 413")
     limits.add_argument("--tokenizer-threads", type=int, default=2,
                         help="requests tokenized at once, off the event loop (default 2); the others wait")
     limits.add_argument("--header-timeout", type=float, default=15.0,

@@ -4,8 +4,11 @@ and no request or KV block is left behind."""
 
 import json
 import os
+import socket
 import threading
 import time
+
+import httpx
 
 import pytest
 import torch
@@ -229,3 +232,183 @@ def test_fuzzed_grammars_never_take_the_server_down(server, http):
     # loaded 2-core host; compiling on the event loop stalled it for seconds)
     assert slowest_health[0] < 1.0
     assert_unharmed(server, http)
+
+
+# -- large bodies: refused without stalling the event loop ----------------------------------
+def _slowest_health_during(server, work) -> tuple[float, object]:
+    """The slowest /health answer while `work()` runs (polled every 10 ms from another thread)."""
+    slowest, done = [0.0], threading.Event()
+
+    def poll():
+        with server.client(timeout=30) as poller:
+            poller.get("/health")
+            while not done.is_set():
+                t = time.perf_counter()
+                assert poller.get("/health").status_code == 200
+                slowest[0] = max(slowest[0], time.perf_counter() - t)
+                done.wait(0.01)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    time.sleep(0.1)
+    try:
+        result = work()
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    return slowest[0], result
+
+
+@pytest.mark.parametrize("body, flag, param", [
+    ({"prompt": list(range(1000, 1000 + 1_500_000)), "max_tokens": 1}, "--max-token-ids", "prompt"),  # 11 MB
+    ({"prompt": [list(range(1000, 1010))] * 160_000, "max_tokens": 1}, "--max-token-ids", "prompt"),  # nested
+    ({"messages": [{"role": "user", "content": "x"}] * 400_000, "max_tokens": 1}, "--max-messages", "messages"),
+])
+def test_huge_bodies_are_refused_without_stalling_the_server(server, http, body, flag, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    data = json.dumps(body).encode()
+    assert len(data) > 8_000_000
+    slowest, r = _slowest_health_during(server, lambda: http.post(path, content=data,
+                                                                  headers={"content-type": "application/json"}))
+    assert r.status_code == 413, r.text[:300]
+    assert r.json()["error"]["param"] == param and flag in r.json()["error"]["message"]
+    # parsed in a worker thread and counted before any per-item validation: the loop waited 4-13 s
+    # before; now only for the JSON reader's hold of the GIL (0.1 s for 17 MB here)
+    assert slowest < 0.5, f"/health took {slowest * 1e3:.0f} ms"
+    assert_unharmed(server, http)
+
+
+# -- connections: every slow state ends, and new clients get in again -----------------------------
+CAP = 4
+
+
+@pytest.fixture(scope="module")
+def tight_server(demo):
+    """A cap of 4 connections and 1-second timeouts, so each slow state can fill the cap quickly."""
+    with serve_engine(make_engine(demo, num_blocks=256), max_connections=CAP, header_timeout_s=1.0,
+                      body_timeout_s=1.0, keep_alive_s=1.0) as live:
+        yield live
+
+
+def _connect(live) -> socket.socket:
+    host, port = live.url[7:].split(":")
+    return socket.create_connection((host, int(port)))
+
+
+def _refused_while_full(live) -> bool:
+    """A new client is turned away (503) while the slow ones hold every connection."""
+    with _connect(live) as extra:
+        extra.settimeout(5)
+        return extra.recv(64).startswith(b"HTTP/1.1 503")
+
+
+def _new_client_gets_in(live, within_s: float) -> float:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with live.client(timeout=5) as http:
+                if http.get("/health").status_code == 200:
+                    return time.monotonic()
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"no new client got in within {within_s} s"
+        time.sleep(0.1)
+
+
+def _trickle(socks: list[socket.socket], data: bytes, seconds: float) -> None:
+    """Send `data` one byte at a time to every socket, for `seconds` (errors: the server closed it)."""
+    end, i = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for s in socks:
+            try:
+                s.sendall(data[i % len(data):i % len(data) + 1])
+            except OSError:
+                pass
+        i += 1
+        time.sleep(0.1)
+
+
+def _hold(live, state: str) -> list[socket.socket]:
+    socks = [_connect(live) for _ in range(CAP)]
+    if state == "slow body":  # a head, then a body that never completes (408 at --body-timeout, then a byte
+        for s in socks:       # now and then, which used to keep the connection open for good)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
+    return socks
+
+
+@pytest.mark.parametrize("state", ["idle", "slow head", "slow body"])
+def test_slow_clients_holding_every_connection_are_reaped(tight_server, state):
+    socks = _hold(tight_server, state)
+    try:
+        time.sleep(0.3)
+        assert _refused_while_full(tight_server)
+        started = time.monotonic()
+        if state == "slow head":
+            _trickle(socks, b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100, 2.0)
+        elif state == "slow body":
+            _trickle(socks, b"a", 4.0)  # past the 1 s body timeout and the 2 s linger
+        got_in = _new_client_gets_in(tight_server, within_s=15)
+        assert got_in - started < 10
+    finally:
+        for s in socks:
+            s.close()
+    with tight_server.client() as http:
+        assert http.get("/health").status_code == 200
+
+
+class _StuckTransport:
+    """A transport whose peer reads nothing (what the protocol sees: its writes are paused)."""
+
+    def __init__(self):
+        self.aborted = self.closing = False
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def write(self, data):
+        pass
+
+    def is_closing(self):
+        return self.closing or self.aborted
+
+    def close(self):
+        self.closing = True
+
+    def abort(self):
+        self.aborted = True
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+def test_a_client_that_stops_reading_its_response_is_disconnected():
+    """On loopback the kernel absorbs megabytes before a writer blocks, so the rule is tested on the
+    protocol itself: writes paused for --body-timeout end the connection; writes that resume do not."""
+    import asyncio
+
+    from uvicorn.server import ServerState as UvicornState
+
+    from brisk.server.connections import uvicorn_config
+    from brisk.server.state import ServerConfig
+
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn_config(lambda *a: None, ServerConfig(body_timeout_s=0.2), "127.0.0.1", 0)
+        config.load()
+        stuck, slow = _StuckTransport(), _StuckTransport()
+        for transport, resumes in ((stuck, False), (slow, True)):
+            protocol = config.http_protocol_class(config, UvicornState(), {}, _loop=loop)
+            protocol.connection_made(transport)
+            protocol.pause_writing()
+            if resumes:
+                loop.run_until_complete(asyncio.sleep(0.1))
+                protocol.resume_writing()
+            loop.run_until_complete(asyncio.sleep(0.4))
+            protocol.connection_lost(None)
+        assert stuck.aborted and not slow.aborted
+    finally:
+        loop.close()

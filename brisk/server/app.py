@@ -25,9 +25,10 @@ from brisk.errors import ParamError
 from brisk.loop_lag import LoopLagMonitor
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextLengthError, GuardResult, combined_headers, guard_chat, guard_prompt
+from brisk.server.bodies import parse_body
 from brisk.server.errors import APIError, install_handlers
 from brisk.server.middleware import GuardMiddleware
-from brisk.server.openapi import install_openapi
+from brisk.server.openapi import install_openapi, request_body
 from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    message_dicts)
 from brisk.server.logs import EngineStatsLogger
@@ -135,9 +136,10 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, model_id)
         return model_card(model_id)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(raw: Request):
         state.require_engine()
+        body = await parse_body(state, raw, TokenizeRequest)
         _check_model(state, body.model)
         tok = state.tokenizer
         if body.messages is not None:
@@ -151,11 +153,11 @@ def create_app(state: ServerState) -> FastAPI:
         # a JSONResponse skips FastAPI's per-element encoder (slow on the event loop for long lists)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(raw: Request):
         state.require_engine()
+        body = await parse_body(state, raw, DetokenizeRequest)
         _check_model(state, body.model)
-        _check_token_ids(state, len(body.tokens), "tokens")
         text = await state.run_tokenizer(_decode_checked, state, body.tokens)
         if len(text) > state.config.max_prompt_chars:
             raise APIError(413, f"tokens: decode to {len(text)} characters, over the server's limit of "
@@ -163,9 +165,10 @@ def create_app(state: ServerState) -> FastAPI:
                            param="tokens", code="output_too_large")
         return JSONResponse({"prompt": text})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+    async def chat_completions(raw: Request):
         state.require_engine()
+        body = await parse_body(state, raw, ChatCompletionRequest)
         _check_model(state, body.model)
         state.check_capacity(body.n)
         messages = message_dicts(body.messages)
@@ -187,9 +190,10 @@ def create_app(state: ServerState) -> FastAPI:
                             state.config.reasoning_parser)
         return await _respond(state, raw, body, fmt, [guard], params)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+    async def completions(raw: Request):
         state.require_engine()
+        body = await parse_body(state, raw, CompletionRequest)
         _check_model(state, body.model)
         num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
         state.check_capacity(num_prompts * body.n)
@@ -216,13 +220,6 @@ def _check_chars(state: ServerState, chars: int, param: str) -> None:
     if chars > limit:
         raise APIError(413, f"{param}: {chars} characters, over the server's limit of {limit} per request "
                             f"(--max-prompt-chars); send less text", param=param, code="prompt_too_large")
-
-
-def _check_token_ids(state: ServerState, count: int, param: str) -> None:
-    limit = state.config.max_token_ids
-    if count > limit:
-        raise APIError(413, f"{param}: {count} token ids, over the server's limit of {limit} per request "
-                            f"(--max-token-ids); send fewer", param=param, code="prompt_too_large")
 
 
 def _decode_checked(state: ServerState, ids: list[int]) -> str:
@@ -258,8 +255,7 @@ async def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
         texts = [prompt] if isinstance(prompt, str) else prompt
         _check_chars(state, sum(len(t) for t in texts), "prompt")
         return await state.run_tokenizer(lambda: [tok.encode(t) for t in texts])
-    prompts = [prompt] if isinstance(prompt[0], int) else prompt
-    _check_token_ids(state, sum(len(p) for p in prompts), "prompt")
+    prompts = [prompt] if isinstance(prompt[0], int) else prompt  # counted against --max-token-ids when read
     # NOTE: whether the ids are in the vocabulary is the engine's rule (LLMEngine._validate, the one
     # owner of what an engine request may hold, for every caller); its error becomes a 400 in _Run.start
     return [list(p) for p in prompts]

@@ -19,7 +19,9 @@ from fastapi.openapi.utils import get_openapi
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextPolicy
 from brisk.server.middleware import PUBLIC_PATHS
-from brisk.server.protocol import CHOICES_MARK, MAX_TOKENS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK, ErrorResponse
+from brisk.server.protocol import (CHOICES_MARK, MAX_TOKENS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK,
+                                   ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                                   TokenizeRequest)
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _STATUS_BODY = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
@@ -33,9 +35,17 @@ _BODY_ROUTES = {"/v1/models/{model_id}": (404,),
                 "/v1/chat/completions": (400, 404, 408, 413, 429, 503, 504),
                 "/v1/completions": (400, 404, 408, 413, 429, 503, 504)}
 _STREAMING = ("/v1/chat/completions", "/v1/completions")
+_BODIES = {m.__name__: m for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)}
 # One server-sent event: `data` is a JSON chunk, an error object, or the final "[DONE]".
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
               "required": ["data"]}
+
+
+def request_body(model) -> dict[str, Any]:
+    """A route's `openapi_extra`: its JSON body, read by brisk/server/bodies.py rather than FastAPI (so
+    that large bodies are parsed off the event loop), described as FastAPI would describe it."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}, "x-brisk-body": model.__name__}
 
 
 def install_openapi(app: FastAPI, state) -> None:
@@ -56,6 +66,13 @@ def build(app: FastAPI, state) -> dict[str, Any]:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
+    for methods in doc["paths"].values():
+        for op in methods.values():
+            model = _BODIES.get(op.pop("x-brisk-body", None))
+            if model is not None:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
     error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
     schemas.update(error_schema.pop("$defs", {}))
     schemas["ErrorResponse"] = error_schema

@@ -64,6 +64,7 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
             allow_priority=args.allow_priority,
             max_prompt_chars=args.max_prompt_chars,
             max_token_ids=args.max_token_ids,
+            max_messages=args.max_messages,
             tokenizer_threads=args.tokenizer_threads,
             metrics_public=args.metrics_public,
             body_timeout_s=args.body_timeout,

@@ -46,6 +46,10 @@ class SandboxError(GrammarError):
     """The worker died or timed out on this grammar."""
 
 
+class SandboxClosed(RuntimeError):
+    """A grammar was asked for after the sandbox was closed."""
+
+
 def run_with_stack(fn: Callable[[], Any], stack_bytes: int, name: str) -> Any:
     """fn() on a new thread with a stack of `stack_bytes`; returns its result or raises its error."""
     result: dict[str, Any] = {}
@@ -113,8 +117,7 @@ class CompileSandbox:
     def start(self) -> None:
         """Start the worker now (the server does it at start-up, off the request path)."""
         with self._lock:
-            if not self.closed:
-                self._running_worker()
+            self._running_worker()
 
     def close(self) -> None:
         with self._lock:
@@ -124,6 +127,8 @@ class CompileSandbox:
     def _running_worker(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
+        if self.closed:
+            raise SandboxClosed("the grammar compile sandbox is closed (the server is stopping)")
         self._stop_worker()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))}
