@@ -412,3 +412,34 @@ def test_a_client_that_stops_reading_its_response_is_disconnected():
         assert stuck.aborted and not slow.aborted
     finally:
         loop.close()
+
+
+# -- the request's every field is read, or refused by name --------------------------------------
+def test_an_unknown_top_level_key_that_is_a_lone_surrogate_is_a_400(server, http):
+    raw = '{"\\ud800": 1, "prompt": "x", "max_tokens": 1}'
+    r = http.post("/v1/completions", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("message, param, words", [
+    ({"role": "user", "content": "hi", "weight": 2}, "messages[0].weight", "not a message field"),
+    ({"role": "assistant", "content": "hi", "refusal": "I will not"}, "messages[0].refusal", "refusal"),
+    ({"role": "assistant", "content": "hi", "audio": {"id": "a1"}}, "messages[0].audio", "audio"),
+    ({"role": "assistant", "content": "x", "annotations": {}}, "messages[0].annotations", "must be a list"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}, "messages[0].tool_calls", "does not render tool calls"),
+])
+def test_message_keys_the_prompt_would_lose_are_a_400_naming_them(server, http, message, param, words):
+    r = http.post("/v1/chat/completions", json={"messages": [message, {"role": "user", "content": "go"}],
+                                                "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+
+
+def test_what_the_openai_sdk_echoes_back_in_a_message_is_accepted(server, http):
+    """An SDK message object sent back as is (refusal, annotations, audio, function_call: empty)."""
+    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": None}
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}, echoed,
+                                                             {"role": "user", "content": "Again"}], "max_tokens": 1})
+    assert r.status_code == 200, r.text

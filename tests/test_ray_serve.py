@@ -282,6 +282,11 @@ def test_replica_killed_mid_stream_ends_every_stream_and_is_replaced(cluster):
     outcomes = [{} for _ in range(8)]
     started = [threading.Event() for _ in range(8)]
     threads = [threading.Thread(target=_stream, args=(url, 400, outcomes[i], started[i])) for i in range(8)]
+
+    def aborts(cause: str) -> float:
+        return _metrics(url).get(("brisk:request_aborts_total", (("cause", cause),)), 0.0)
+
+    disconnects_before, lost_before = aborts("client_disconnect"), aborts("replica_lost")
     for t in threads:
         t.start()
     for event in started:
@@ -297,6 +302,9 @@ def test_replica_killed_mid_stream_ends_every_stream_and_is_replaced(cluster):
     assert "error" in ends, f"no stream lost its replica: {ends}"  # both replicas had streams (load routing)
     assert {o["code"] for o in outcomes if o["end"] == "error"} == {"replica_lost"}
     assert ended_s < 90
+    # counted as what they were: lost with their replica, not left by their clients
+    assert aborts("replica_lost") - lost_before == ends.count("error")
+    assert aborts("client_disconnect") == disconnects_before
     # the service goes on: the next 16 requests succeed on the remaining replica (or its replacement)
     client = _client(url)
     for i in range(16):
@@ -308,3 +316,18 @@ def test_replica_killed_mid_stream_ends_every_stream_and_is_replaced(cluster):
         assert time.monotonic() < deadline, f"replica count did not return to 2: {_replica_pids()}"
         time.sleep(1)
     assert proc.poll() is None
+
+
+def test_rays_metrics_export_is_off_unless_asked_for(cluster):
+    """Ray's metrics export listens on every interface without authentication and carries Serve's
+    per-deployment request series: brisk starts its local Ray instance without it (--ray-metrics opts in)."""
+    from pathlib import Path
+
+    files = sorted(Path("/tmp/ray/session_latest").glob("metrics_export_port_*"))
+    assert files, "no Ray session of this cluster"
+    port = int(files[-1].read_text().strip())
+    if port > 0:  # recorded but it must not answer
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    else:
+        assert port == -1

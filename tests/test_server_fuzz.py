@@ -5,11 +5,9 @@ not list, a body or content type it does not describe, a schema-valid request re
 
 Bounded: each route gets a fixed number of positive and of negative examples. Positive
 chat/completion cases get a small max_tokens and are kept inside the context window,
-counted with the server's own /tokenize: the window is a property of the prompt's tokens,
-which no JSON schema can state (every other limit is in the document). For the same reason
-a positive case's output constraint (a JSON schema, regex or grammar: whether it compiles is
-not a JSON-schema property) is replaced by a valid one, at most one per request, and tools
-are dropped (the fuzz server's chat template renders none: a documented 400).
+counted with the server's own /tokenize, and their output constraint made one that compiles
+(tests/schemathesis_hooks.py lists these rules no JSON schema can state; every other rule, one
+output constraint at most among them, is in the document).
 
 The examples are derandomized, so CI runs the same cases every time. To explore new cases,
 run with BRISK_FUZZ_RANDOM=1 as often as you like (a random run may draw no valid chat body
@@ -30,9 +28,9 @@ from brisk.engine.engine import LLMEngine
 from brisk.engine.scheduler import SchedulerConfig
 
 from live_server import serve_engine
+from schemathesis_hooks import MAX_NEW, fit_positive_case  # noqa: F401 (MAX_NEW: the bound it applies)
 
 WINDOW = 128
-MAX_NEW = 4  # tokens a positive generation case may ask for (keeps the suite short)
 EXAMPLES = 30
 
 
@@ -68,58 +66,6 @@ def test_openapi_document_passes_every_default_check(fuzz_server):
 CHECKS = SchemathesisConfig.from_dict({"checks": {"negative_data_rejection": {"expected-statuses": [
     "400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]}}})
 
-VALID_CONSTRAINTS = {"guided_json": {"type": "object"}, "guided_regex": "[a-z]{1,3}", "guided_grammar": 'start: "ok"',
-                     "structured_outputs": {"choice": ["a", "b"]},
-                     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}
-
-
-def _valid_constraint(body: dict) -> None:
-    """At most one output constraint, and one that compiles (see the module's docstring)."""
-    body.pop("tools", None)
-    body.pop("tool_choice", None)
-    kept = False
-    for key in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                "structured_outputs"):
-        if body.get(key) is None or (key == "response_format" and body[key].get("type") == "text"):
-            continue
-        if kept:
-            del body[key]
-        else:
-            kept = True
-            if key != "guided_choice":
-                body[key] = VALID_CONSTRAINTS[key]
-    if body.get("guided_whitespace_pattern") is not None:
-        if body.get("guided_json") is not None:
-            body["guided_whitespace_pattern"] = " "
-        else:
-            del body["guided_whitespace_pattern"]
-
-
-def _fits_window(case, http: httpx.Client) -> bool:
-    """Bound a positive generation case's max_tokens, and say whether it fits the window."""
-    body = case.body
-    _valid_constraint(body)
-    for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), (int, float)):  # JSON Schema's integers include 3.0
-            body[key] = min(int(body[key]), MAX_NEW)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_NEW
-    if case.path == "/v1/chat/completions":
-        counted = http.post("/tokenize", json={"messages": body["messages"]})
-        counts = [counted.json()["count"]] if counted.status_code == 200 else None
-    else:
-        prompt = body["prompt"]
-        if isinstance(prompt, str) or isinstance(prompt[0], str):
-            texts = [prompt] if isinstance(prompt, str) else prompt
-            counts = [http.post("/tokenize", json={"prompt": t}).json()["count"] for t in texts]
-        else:
-            counts = [len(prompt)] if isinstance(prompt[0], (int, float)) else [len(p) for p in prompt]
-    if counts is None:
-        return True  # e.g. the chat template refuses these messages: a 400 the document lists
-    new = body.get("max_completion_tokens") or body.get("max_tokens")
-    return max(counts) + new <= WINDOW
-
-
 def check_operation(operation, mode, base_url: str, http: httpx.Client) -> None:
     generation = operation.path in ("/v1/chat/completions", "/v1/completions")
 
@@ -128,7 +74,7 @@ def check_operation(operation, mode, base_url: str, http: httpx.Client) -> None:
               derandomize=os.environ.get("BRISK_FUZZ_RANDOM") != "1")
     def all_checks(case):
         if generation and mode is GenerationMode.POSITIVE:
-            assume(_fits_window(case, http))
+            assume(fit_positive_case(case.path, case.body, http, WINDOW))
         response = case.call_and_validate(base_url=base_url, timeout=60)
         if response.status_code >= 400:
             error = response.json()["error"]

@@ -245,3 +245,94 @@ def test_a_call_cut_by_the_token_limit_is_a_call_not_content():
     content2, _ = parser.finish()
     assert content + content2 == "Checking." and parser.cut
     assert [c.name for c in parser.calls] == ["get_time"] and not parser.calls[0].complete
+
+
+# -- issue 37: 20 forced calls that parse, validate and stream in fragments ---------------------------
+TIME_OPEN = {"type": "function", "function": {  # no additionalProperties: strict mode closes it
+    "name": "get_time", "description": "Current time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
+BOOKING = {"type": "function", "function": {  # what pydantic writes: $defs and $ref
+    "name": "book_room", "description": "Book a hotel room",
+    "parameters": {"$defs": {"Stay": {"type": "object", "properties": {"nights": {"type": "integer", "minimum": 1,
+                                                                                    "maximum": 9},
+                                                                       "city": {"type": "string", "maxLength": 16}},
+                                      "required": ["nights", "city"]}},
+                   "type": "object", "properties": {"stay": {"$ref": "#/$defs/Stay"}}, "required": ["stay"]}}}
+FORCED_TOOLS = {"closed": [WEATHER, TIME], "open": [TIME_OPEN, WEATHER], "refs": [BOOKING, TIME_OPEN]}
+FORCED = [(kind, choice, parallel, stream)
+          for kind in ("closed", "open") for choice in ("required", "named")
+          for parallel in (True, False) for stream in (False, True)] + \
+         [("refs", choice, True, stream) for choice in ("required", "named") for stream in (False, True)]
+assert len(FORCED) == 20
+
+
+def _forced_kwargs(kind, choice, parallel):
+    tools = FORCED_TOOLS[kind]
+    tool_choice = "required" if choice == "required" else {"type": "function",
+                                                           "function": {"name": tools[0]["function"]["name"]}}
+    ask = {"closed": ASK, "open": [{"role": "user", "content": "What time is it in Paris?"}],
+           "refs": [{"role": "user", "content": "Book me two nights in Rome."}]}[kind]
+    return dict(model=MODEL, messages=ask, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel,
+                temperature=0, max_tokens=160)
+
+
+def _streamed_calls(client, kw):
+    calls, content, finish, fragments = {}, "", None, {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                if d.function.arguments:
+                    entry["arguments"] += d.function.arguments
+                    fragments[d.index] = fragments.get(d.index, 0) + 1
+    return [calls[i] for i in sorted(calls)], content, finish, fragments
+
+
+@pytest.mark.parametrize("kind, choice, parallel, stream", FORCED)
+def test_forced_calls_parse_validate_and_stream_in_fragments(client, kind, choice, parallel, stream):
+    kw = _forced_kwargs(kind, choice, parallel)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in kw["tools"]}
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or []]
+    content, finish = whole.message.content, whole.finish_reason
+    if stream:
+        streamed, content, finish, fragments = _streamed_calls(client, kw)
+        assert streamed == calls, "streamed calls differ from the whole reply's"
+        assert all(fragments.get(i, 0) >= 2 for i in range(len(calls))), fragments
+    assert "<tool_call>" not in (content or "")  # never half a call in content
+    assert finish in ("tool_calls", "length"), finish
+    assert calls, "a forced call produced no call"
+    if not parallel:
+        assert len(calls) == 1
+    for i, call in enumerate(calls):
+        if finish == "length" and i == len(calls) - 1:
+            continue  # cut by max_tokens: reported as such
+        if choice == "named":
+            assert call["name"] == kw["tools"][0]["function"]["name"]
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    assert all(a != b for a, b in zip(calls, calls[1:])), "an immediate repeat of a call"
+
+
+def test_a_forced_call_can_add_no_property_its_schema_does_not_declare(demo):
+    """OpenAI's strict mode: after the declared properties the arguments object can only close (the
+    open schema let a small model invent properties until max_tokens)."""
+    from brisk.structured.bitmask import allowed_tokens
+    from brisk.structured.compiler import GrammarCompiler
+    from brisk.structured.tools import ToolPlan, grammar
+
+    tok = demo.tokenizer
+    compiler = GrammarCompiler(tok.fast, demo.config.vocab_size, tok.eos_token_ids)
+    try:
+        matcher = compiler.compile(grammar(ToolPlan([TIME_OPEN], "function", "get_time", False, "hermes"))).matcher()
+        prefix = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"'
+        for token in tok.encode(prefix, add_special_tokens=False):
+            assert matcher.consume_token(token)
+        allowed = allowed_tokens(matcher, demo.config.vocab_size).nonzero().flatten().tolist()
+        texts = {tok.fast.decode([t]) for t in allowed}
+        assert texts and all(t.startswith("}") for t in texts), texts  # no ",", and no free whitespace either
+    finally:
+        compiler.close()

@@ -40,7 +40,11 @@ def serve_cluster(args: argparse.Namespace, checked, settings: ClusterSettings) 
         # nice-0 thread on the machine (this process's HTTP handling, Ray's own daemons): measured
         # 0.77x of one process's tok/s; the engine thread lowers its own priority (+5) as in one process
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace="brisk", logging_level=logging.WARNING)
+        # NOTE: Ray's daemons listen on every interface (Ray cannot bind them to loopback: it resolves
+        # 127.0.0.1 to the node's address); its metrics export, which carries Serve's per-deployment
+        # request series without authentication, stays off unless --ray-metrics asks for it
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace="brisk", logging_level=logging.WARNING,
+                 _system_config={"enable_metrics_collection": settings.ray_metrics})
     try:
         _check_resources(ray, settings)
         serve.start(proxy_location="Disabled")  # HTTP is served by this process

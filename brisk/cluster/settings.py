@@ -46,6 +46,10 @@ def add_arguments(p) -> None:
                    help="how replicas send tokens to the HTTP process: socket (default: one TCP connection per "
                         "replica, one frame per engine step for all streams) or ray (a Ray streaming-generator "
                         "message per stream and step; for clusters whose nodes may talk only over Ray's ports)")
+    p.add_argument("--ray-metrics", action="store_true", default=None,
+                   help="let the local Ray instance export its metrics (Ray Serve's per-deployment request "
+                        "series) on its metrics port, which listens on every interface without authentication; "
+                        "off by default (brisk's own /metrics, behind the API key, has the engines' series)")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="a replica sends each stream's tokens to the ingress this many at a time, the first at "
                         "once (vLLM's --stream-interval; default 1): fewer messages, burstier streaming")
@@ -65,6 +69,7 @@ class ClusterSettings:
     request_router: str = "prefix-affinity"
     stream_interval: int = 1
     replica_stream: str = "socket"
+    ray_metrics: bool = False  # Ray's own metrics export (unauthenticated, every interface)
 
     @property
     def cpus_needed(self) -> float:
@@ -82,7 +87,8 @@ def from_args(args: argparse.Namespace, local_cpu_check: bool = True) -> Cluster
     if not wants_cluster(args):
         given = [flag for flag, value in (("--ray-address", args.ray_address), ("--replica-gpus", args.replica_gpus),
                                           ("--stream-interval", args.stream_interval),
-                                          ("--replica-stream", args.replica_stream)) if value is not None]
+                                          ("--replica-stream", args.replica_stream),
+                                          ("--ray-metrics", getattr(args, "ray_metrics", None))) if value is not None]
         if given:
             flag = given[0]
             raise BriskError(f"{flag} applies to Ray Serve only; add --replicas N (or --min-replicas/--max-replicas)")
@@ -121,7 +127,10 @@ def from_args(args: argparse.Namespace, local_cpu_check: bool = True) -> Cluster
         raise BriskError(f"--stream-interval must be >= 1 (tokens per message), got {interval}")
     settings = ClusterSettings(replicas, low, high, autoscale, args.target_ongoing_requests, args.replica_cpus,
                                gpus, args.ray_address, args.router_max_imbalance, args.request_router, interval,
-                               args.replica_stream or "socket")
+                               args.replica_stream or "socket", bool(getattr(args, "ray_metrics", None)))
+    if settings.ray_metrics and settings.ray_address is not None:
+        raise BriskError("--ray-metrics configures the local Ray instance brisk starts; a cluster joined with "
+                         "--ray-address keeps its own settings (ray start --metrics-export-port ...)")
     if settings.ray_address is None and local_cpu_check:
         cores = os.cpu_count() or 1
         if settings.cpus_needed > cores:

@@ -25,8 +25,12 @@ from brisk.engine.spec_decode.drafter import NgramDrafter
 from brisk.engine.stats import EngineStats, SpecStats
 from brisk.errors import BriskError, ParamError
 from brisk.loading.loader import LoadedModel
+from brisk.structured.tools import ToolCallParser
 
 log = logging.getLogger("brisk.engine")
+
+
+REPEATED_TOOL_CALL = "repeated_tool_call"  # the stop_reason of a reply ended at a repeated call
 
 
 class RequestError(ParamError, BriskError):
@@ -116,6 +120,8 @@ class LLMEngine:
         request.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens)
         if params.grammar is not None:
             request.grammar = params.grammar.matcher()
+        if params.tool_plan is not None:
+            request.tool_calls = ToolCallParser(params.tool_plan)
         self.scheduler.add_request(request)
         self._pending[request_id] = _Pending()
         return request_id
@@ -250,6 +256,10 @@ class LLMEngine:
         else:
             release, pending.text = pending.text, ""
         request.output_text += release
+        if request.tool_calls is not None and status is None:
+            request.tool_calls.feed(release)
+            if request.tool_calls.repeated:  # the reply began to loop on one call: it is over
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, REPEATED_TOOL_CALL
         if status is not None:
             self.scheduler.finish(request, status)
             self._forget(request.request_id)

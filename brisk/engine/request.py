@@ -72,6 +72,7 @@ class Request:
     detokenizer: Any = None
     stop_reason: str | int | None = None
     grammar: Any = None  # this sequence's grammar matcher (structured outputs), or None
+    tool_calls: Any = None  # this sequence's tool-call reader (SamplingParams.tool_plan), or None
     # Speculative decoding: this step's drafted tokens (verified by the target, never part of the
     # sequence until accepted) and the request's drafting state (spec_decode.policy.SpecState).
     spec_token_ids: list[int] = field(default_factory=list)

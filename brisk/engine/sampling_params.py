@@ -42,6 +42,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     # a brisk.structured.compiler.CompiledGrammar; each sequence gets its own matcher from it
     grammar: Any = None
+    # a brisk.structured.tools.ToolPlan with parallel calls: the engine reads the reply's calls as it
+    # generates and ends it (finish_reason "stop", stop_reason "repeated_tool_call") at a call that
+    # repeats the one before it exactly, which small models do until max_tokens
+    tool_plan: Any = None
     # What each step's RequestOutput carries (vLLM's RequestOutputKind): "cumulative" (token_ids,
     # logprobs and metrics of the whole output so far, on every step: O(L) per step), or "delta"
     # (only what is new, O(1) per step; token_ids and metrics come once, on the final output).

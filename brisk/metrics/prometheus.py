@@ -68,7 +68,7 @@ class ServerMetrics:
             self.requests.labels(reason)
         for outcome in ("ok", "truncated", "clamped", "rejected"):
             self.context_guard.labels(outcome)
-        for cause in ("client_disconnect", "timeout", "shutdown", "engine_error", "error"):
+        for cause in ("client_disconnect", "timeout", "shutdown", "engine_error", "replica_lost", "error"):
             self.aborts.labels(cause)
         self._engine = _EngineCollector()
         r.register(self._engine)

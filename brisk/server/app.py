@@ -36,7 +36,7 @@ from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter
 from brisk.server.state import RequestTimeoutError, ServerState, ShutdownError
 from brisk.structured.compiler import CompiledGrammar
 from brisk.structured.spec import GrammarSpec, from_request as grammar_spec
-from brisk.structured.tools import grammar as tool_grammar, plan as tool_plan
+from brisk.structured.tools import TOOLS_TEMPLATE_HINT, grammar as tool_grammar, plan as tool_plan, renders_tool_calls
 from brisk.tokenizer import ChatTemplateError
 
 log = logging.getLogger("brisk.server")
@@ -145,7 +145,12 @@ def create_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             messages = message_dicts(body.messages)
             _check_chars(state, _chat_chars(messages), "messages")
-            ids = await state.run_tokenizer(lambda: _encode_chat(tok, messages, body.add_generation_prompt,
+            _check_rendered(messages, tok)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            if tools and "tools" not in tok.template_variables:
+                raise APIError(400, f"tools: this model's chat template does not render tools; {TOOLS_TEMPLATE_HINT}",
+                               param="tools", code="invalid_value")
+            ids = await state.run_tokenizer(lambda: _encode_chat(tok, messages, body.add_generation_prompt, tools,
                                                                  **(body.chat_template_kwargs or {})))
         else:
             _check_chars(state, len(body.prompt), "prompt")
@@ -173,6 +178,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.check_capacity(body.n)
         messages = message_dicts(body.messages)
         _check_chars(state, _chat_chars(messages), "messages")
+        _check_rendered(messages, state.tokenizer)
         max_tokens = body.max_completion_tokens or body.max_tokens
         tok = state.tokenizer
         tools = _spec(lambda: tool_plan(body, tok.chat_template_source, tok.template_variables,
@@ -186,6 +192,8 @@ def create_app(state: ServerState) -> FastAPI:
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await _grammar(state, spec)
         params = _sampling_params(body, guard.max_tokens, num_top, grammar)
+        if tools is not None and tools.parses and tools.parallel:
+            params.tool_plan = tools  # the engine ends a reply that loops on one call
         fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None,
                             state.config.reasoning_parser)
         return await _respond(state, raw, body, fmt, [guard], params)
@@ -196,6 +204,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(state, raw, CompletionRequest)
         _check_model(state, body.model)
         num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
+        state.check_prompt_list(num_prompts, body.n)
         state.check_capacity(num_prompts * body.n)
         prompts = await _prompt_ids(state, body.prompt)
         guards = [await _guard(state, lambda ids=ids: guard_prompt(ids, body.max_tokens, state.max_model_len,
@@ -220,6 +229,17 @@ def _check_chars(state: ServerState, chars: int, param: str) -> None:
     if chars > limit:
         raise APIError(413, f"{param}: {chars} characters, over the server's limit of {limit} per request "
                             f"(--max-prompt-chars); send less text", param=param, code="prompt_too_large")
+
+
+def _check_rendered(messages: list[dict[str, Any]], tok) -> None:
+    """An assistant's earlier tool calls must reach the model: a 400 where the template drops them."""
+    if renders_tool_calls(tok.chat_template_source):
+        return
+    for i, message in enumerate(messages):
+        if message.get("tool_calls"):
+            raise APIError(400, f"messages[{i}].tool_calls: this model's chat template does not render tool calls, "
+                                f"so the model would not see them; {TOOLS_TEMPLATE_HINT}",
+                           param=f"messages[{i}].tool_calls", code="invalid_messages")
 
 
 def _decode_checked(state: ServerState, ids: list[int]) -> str:
@@ -572,6 +592,8 @@ class _Run:
 
 def _as_api_error(e: BaseException, run: _Run) -> APIError:
     if isinstance(e, APIError):
+        if e.code == "replica_lost":  # the Ray replica serving it died: not the client's doing
+            run.abort_cause = "replica_lost"
         return e
     if isinstance(e, RequestTimeoutError):
         run.abort_cause = "timeout"

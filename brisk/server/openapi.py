@@ -19,7 +19,8 @@ from fastapi.openapi.utils import get_openapi
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextPolicy
 from brisk.server.middleware import PUBLIC_PATHS
-from brisk.server.protocol import (CHOICES_MARK, MAX_TOKENS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK,
+from brisk.structured.tools import renders_tool_calls
+from brisk.server.protocol import (CHOICES_MARK, MAX_CHOICES, MAX_TOKENS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK,
                                    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                                    TokenizeRequest)
 
@@ -98,7 +99,35 @@ def build(app: FastAPI, state) -> dict[str, Any]:
                 op["security"] = [{"bearer": []}]
                 responses["401"] = _error_response(401)
     _fill_limits(doc, state)
+    if state.engine is not None:
+        _what_the_template_renders(schemas, state.tokenizer)
+        _prompts_times_choices(schemas["CompletionRequest"], state.capacity)
     return doc
+
+
+def _prompts_times_choices(schema: dict[str, Any], capacity: int) -> None:
+    """ServerState.check_prompt_list's rule: a list of prompts holds up to `capacity` of them with n = 1
+    (or n absent), up to capacity // MAX_CHOICES with any n (a prompt given as text or ids is one)."""
+    def listing(count: int) -> dict[str, Any]:
+        return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                          {"type": "array", "maxItems": count}]}
+
+    schema.setdefault("allOf", []).append({"anyOf": [
+        {"properties": {"n": {"maximum": 1}, "prompt": listing(capacity)}},
+        {"properties": {"prompt": listing(capacity // min(MAX_CHOICES, capacity))}}]})
+
+
+def _what_the_template_renders(schemas: dict[str, Any], tokenizer) -> None:
+    """A chat template that renders no tools (or no earlier tool calls) makes requests with them a 400:
+    the document says so, rather than calling them valid."""
+    if "tools" not in tokenizer.template_variables:
+        for name in ("ChatCompletionRequest", "TokenizeRequest"):
+            schemas[name]["properties"]["tools"] = {"type": "null",
+                                                    "description": "this model's chat template renders no tools"}
+        schemas["ChatCompletionRequest"]["properties"]["tool_choice"] = {"enum": [None, "none"]}
+    if not renders_tool_calls(tokenizer.chat_template_source):
+        schemas["ChatMessage"]["properties"]["tool_calls"] = {
+            "type": "null", "description": "this model's chat template renders no tool calls"}
 
 
 def _error_response(status: int) -> dict[str, Any]:

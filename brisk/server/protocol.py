@@ -54,7 +54,8 @@ def _int(**constraints: Any) -> Any:
 
 
 Int = _int()
-Choices = _int(ge=1, le=16, json_schema_extra={CHOICES_MARK: True})
+MAX_CHOICES = 16  # n: choices one request may ask for
+Choices = _int(ge=1, le=MAX_CHOICES, json_schema_extra={CHOICES_MARK: True})
 # Any integer: SamplingParams reduces it modulo 2**64, the range torch's generators take. (A
 # bound in the schema would be a float to JSON Schema tools: near 2**63 they round a value just
 # past it onto it and call it valid, while the server, comparing integers, would refuse it.)
@@ -83,7 +84,8 @@ TokenIdKey = Annotated[str, AfterValidator(_token_id_key),
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # a key brisk does not read is a 400 naming it: ignored, it could change what the client expects
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # Fields that do not change what is generated: accepted (declared in _Sampling) and not read.
@@ -117,8 +119,13 @@ def _refuse_unknown(model: type[BaseModel], data: Any) -> Any:
             if reason is None:
                 reason = ("is not a field brisk implements, and ignoring it could change the result; remove it "
                           "(the fields brisk accepts: GET /openapi.json)")
-            raise ValueError(f"{key}: {reason}")
+            raise ValueError(f"{_shown_key(key)}: {reason}")
     return data
+
+
+def _shown_key(key: Any) -> str:
+    """A key as an error message may quote it: valid UTF-8 (a lone surrogate shown as its escape)."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class TextPart(_Request):
@@ -162,19 +169,37 @@ class JsonSchemaFormat(_Request):
     name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
     description: Text | None = None
     # `schema` would shadow BaseModel.schema: the attribute is schema_, the JSON key "schema"
-    schema_: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    schema_: Union[dict[str, Any], Literal[True], None] = Field(None, alias="schema")
     strict: bool | None = None
 
 
+def _set(key: str) -> dict[str, Any]:
+    """JSON Schema: `key` is present and not null."""
+    return {"required": [key], "properties": {key: {"not": {"type": "null"}}}}
+
+
 class ResponseFormat(_Request):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
+        "then": _set("json_schema")})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Request):
-    """vLLM's `structured_outputs` object: exactly one of its constraint fields."""
+_SO_MEMBERS = [_set("json"), {"required": ["json_object"], "properties": {"json_object": {"const": True}}},
+               _set("regex"), _set("choice"), _set("grammar")]
 
-    json_: Union[dict[str, Any], bool, Text, None] = Field(None, alias="json")  # `json` shadows BaseModel.json
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` object: exactly one of its constraint fields (whitespace_pattern
+    with json or json_object only)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "oneOf": _SO_MEMBERS,
+        "if": _set("whitespace_pattern"), "then": {"anyOf": _SO_MEMBERS[:2]}})
+
+    json_: Union[dict[str, Any], Literal[True], Text, None] = Field(None, alias="json")  # `json` shadows BaseModel.json
     json_object: bool | None = None
     regex: NonEmptyText | None = None
     choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
@@ -194,8 +219,46 @@ def _text_part_only(part: Any) -> Any:
     return part
 
 
+# Keys the OpenAI SDK writes into an assistant message it returns; a client sending that message back
+# sends them too. Empty, they say nothing and pass; set, brisk cannot render them: a 400 saying so.
+ECHOED_MESSAGE_KEYS = {
+    "refusal": "an earlier refusal is not rendered by chat templates; send it as content",
+    "annotations": None,  # citations of the content: metadata, never part of the prompt
+    "audio": "audio is not supported (brisk serves text-only models); remove it",
+    "function_call": "the legacy functions API is not supported; send tool_calls instead",
+}
+
+
+def _message_keys(data: Any) -> Any:
+    """A message key brisk does not render is a 400 naming it, never dropped silently."""
+    if not isinstance(data, dict):
+        return data
+    unknown = [k for k in data if k not in ChatMessage.model_fields]
+    if not unknown:
+        return data
+    data = dict(data)
+    for key in unknown:
+        value = data.pop(key)
+        if key in ECHOED_MESSAGE_KEYS and (value is None or (key == "annotations" and isinstance(value, list))):
+            continue
+        if key == "annotations":
+            raise ValueError("annotations: must be a list (the SDK's citations of the content) or null")
+        reason = ECHOED_MESSAGE_KEYS.get(key) or ("is not a message field brisk renders; remove it (a message takes "
+                                                 f"{', '.join(ChatMessage.model_fields)})")
+        raise ValueError(f"{_shown_key(key)}: {reason}")
+    return data
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The message's JSON schema: the content rule, no other keys but the SDK's empty echoes."""
+    schema.update(_CONTENT_RULE)
+    schema["additionalProperties"] = False
+    schema["properties"].update({"refusal": {"type": "null"}, "annotations": {"type": ["array", "null"]},
+                                 "audio": {"type": "null"}, "function_call": {"type": "null"}})
+
+
 class ChatMessage(_Request):
-    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_CONTENT_RULE)
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_message_schema)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[Annotated[TextPart, BeforeValidator(_text_part_only)]], None] = None
@@ -203,6 +266,11 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool message: the call it answers
     reasoning_content: Text | None = None  # an assistant's earlier thinking (templates that render it)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, data: Any) -> Any:
+        return _message_keys(data)
 
     @model_validator(mode="after")
     def _content_required(self):
@@ -215,11 +283,32 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# The request fields that constrain the output; a request takes at most one (brisk.structured.spec)
+_CONSTRAINTS = [
+    {"required": ["response_format"], "properties": {"response_format": {
+        "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}},
+    *(_set(key) for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")),
+]
+# chat: a tool_choice that forces calls is a constraint too
+_FORCED_TOOLS = {"required": ["tool_choice"], "properties": {"tool_choice": {
+    "anyOf": [{"const": "required"}, {"type": "object"}]}}}
+
+
+def _at_most_one(options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"not": {"allOf": [a, b]}} for i, a in enumerate(options) for b in options[i + 1:]]
+
+
+_WHITESPACE_RULE = {"if": _set("guided_whitespace_pattern"), "then": _set("guided_json")}
+_SAMPLING_RULES = [*_at_most_one(_CONSTRAINTS), _WHITESPACE_RULE]
+
+
 class _Sampling(_Request):
     """Fields shared by chat and completions (OpenAI's names and ranges, plus vLLM's extras).
-    Any other top-level field is refused (`_refuse_unknown`; the schema says additionalProperties: false)."""
+    Any other top-level field is refused (`_refuse_unknown`; the schema says additionalProperties: false).
+    Rules across fields (one output constraint at most; a whitespace pattern with guided_json only)
+    are in the schema too, so that it calls valid only what the server accepts."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"allOf": _SAMPLING_RULES})
 
     model: Text | None = None
     n: Choices = 1
@@ -259,7 +348,8 @@ class _Sampling(_Request):
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* extras and structured_outputs
     response_format: ResponseFormat | None = None
-    guided_json: Union[dict[str, Any], bool, Text, None] = None
+    # a JSON schema, or its JSON text; `true` (anything) is a schema too, `false` (nothing) is refused
+    guided_json: Union[dict[str, Any], Literal[True], Text, None] = None
     guided_regex: NonEmptyText | None = None
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyText | None = None
@@ -272,7 +362,17 @@ class _Sampling(_Request):
         return _refuse_unknown(cls, data)
 
 
+_CHAT_RULES = [
+    *_at_most_one([*_CONSTRAINTS, _FORCED_TOOLS]),
+    # a tool_choice other than "none" needs tools
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+]
+
+
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"allOf": [_WHITESPACE_RULE, *_CHAT_RULES]})
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -299,7 +399,7 @@ _ONE_OF_PROMPT = {"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}
 class TokenizeRequest(_Request):
     """Exactly one of `prompt` (raw text) or `messages` (rendered with the chat template)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_ONE_OF_PROMPT)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_ONE_OF_PROMPT)
 
     model: Text | None = None
     # Absent means "not this one"; null is not accepted (the schema then says exactly one is given).
@@ -307,7 +407,9 @@ class TokenizeRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # as in chat completions: the count matches theirs
+    # as in chat completions, so that the count is theirs: the template's variables and the tools it renders
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self):

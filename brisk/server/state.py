@@ -17,6 +17,7 @@ from brisk.metrics.prometheus import ServerMetrics
 from brisk.server.context_guard import ContextPolicy
 from brisk.errors import BriskError
 from brisk.server.errors import APIError
+from brisk.server.protocol import MAX_CHOICES
 from brisk.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
@@ -227,6 +228,20 @@ class ServerState:
             raise APIError(400, f"this request needs {n} sequences (prompts x n), more than this server's capacity "
                                 f"of {self.capacity} (max-num-seqs + max-queued-requests); lower n or send fewer "
                                 f"prompts per request", param="n", code="exceeds_capacity")
+
+    def check_prompt_list(self, num_prompts: int, n: int) -> None:
+        """/v1/completions with a list of prompts: up to the capacity of them with n = 1; with n > 1 up to
+        capacity // (the most choices a request may ask), so that prompts x n always fits. (The exact
+        rule, prompts x n <= capacity, a JSON schema states only with a branch per n, which schema tools
+        cannot generate from; this one the document states exactly.)"""
+        most_choices = min(MAX_CHOICES, self.capacity)
+        limit = self.capacity if n <= 1 else self.capacity // most_choices
+        if num_prompts > limit:
+            raise APIError(400, f"prompt: {num_prompts} prompts, more than the {limit} a request may list with "
+                                f"n = {n} (this server's capacity of {self.capacity} sequences"
+                                + (f", shared by up to {most_choices} choices of each prompt); send n = 1, or fewer "
+                                   "prompts per request" if n > 1 else "); send fewer prompts per request"),
+                           param="prompt", code="exceeds_capacity")
 
     def admit(self, n: int) -> None:
         """Bounded queue: up to max_num_seqs running plus --max-queued-requests waiting."""

@@ -111,7 +111,7 @@ def so_specs(so: Any) -> list[GrammarSpec]:
         out.append(choice_spec(so.choice, "structured_outputs.choice"))
     if so.grammar is not None:
         out.append(GrammarSpec("lark", _text(so.grammar, "structured_outputs.grammar"), "structured_outputs.grammar"))
-    if len(out) > 1:
+    if len(out) != 1:
         raise ParamError("structured_outputs", f"give exactly one of json, json_object, regex, choice, grammar; "
                                                f"got {len(out)}")
     if ws is not None and not (out and out[0].kind == "json"):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brisk.errors import ParamError
+from brisk.structured.sources import JSON_OPTIONS
 from brisk.structured.spec import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -36,6 +37,11 @@ STYLES = ("hermes", "json", "mistral")
 TOOLS_TEMPLATE_HINT = ("start `brisk serve` with --chat-template FILE, a template that renders the `tools` variable "
                        "(brisk ships brisk/templates/chatml_tools.jinja for ChatML models)")
 _ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def renders_tool_calls(template_source: str | None) -> bool:
+    """Whether a chat template reads messages' `tool_calls` (one that does not drops them)."""
+    return bool(template_source) and "tool_calls" in template_source
 
 
 def style_of_template(template_source: str | None) -> str:
@@ -156,7 +162,7 @@ def grammar(plan: ToolPlan) -> GrammarSpec | None:
     tools = [t for t in plan.tools if plan.choice == "required" or t["function"]["name"] == plan.function]
     many = plan.parallel and plan.choice == "required"
     if plan.style == "hermes":
-        call_rule = f'call: "{OPEN}\\n" %json {json.dumps(_calls_schema(tools, "arguments", "#"))} "\\n{CLOSE}"'
+        call_rule = f'call: "{OPEN}\\n" %json {_json(_calls_schema(tools, "arguments", "#"))} "\\n{CLOSE}"'
         return GrammarSpec("lark", f'{"start: call (chr10 call)*" if many else "start: call"}\n'
                                    f'{call_rule}\nchr10: "\\n"\n', "tool_choice")
     args_key = "parameters" if plan.style == "json" else "arguments"
@@ -167,7 +173,13 @@ def grammar(plan: ToolPlan) -> GrammarSpec | None:
     else:
         calls = _calls_schema(tools, args_key, "#")
     prefix = f'"{MISTRAL_OPEN}" ' if plan.style == "mistral" else ""
-    return GrammarSpec("lark", f"start: {prefix}%json {json.dumps(calls)}\n", "tool_choice")
+    return GrammarSpec("lark", f"start: {prefix}%json {_json(calls)}\n", "tool_choice")
+
+
+def _json(schema: dict[str, Any]) -> str:
+    """A schema for Lark's %json, with the JSON layout of response_format's: no free whitespace (a
+    small model given it pads forever), ", " and ": " as separators."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 # -- reading calls ------------------------------------------------------------------------
