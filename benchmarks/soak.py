@@ -7,9 +7,14 @@ clients that leave early (a stream closed after a few chunks, a non-streaming re
 abandoned by a short client timeout). Prompt lengths vary widely, so the engine sees
 every row count, which is what grew RSS in oneDNN's per-row-count kernel cache.
 
-The server's RSS (/proc/PID/status VmRSS) is sampled every 250 requests; growth is
-measured from the sample after the warm-up requests to the end. At the end, with the
-server idle, `brisk:kv_blocks_used` must be 0 and running/waiting 0.
+The server's RSS (/proc/PID/status VmRSS) is sampled every 250 requests, with the part of it
+that is the KV pool (`brisk:kv_cache_resident_bytes`: the pool's pages are mapped on first write,
+so resident memory grows until every block has been used once). The report separates the two:
+- pool fill: the pool's resident bytes, and the request count at which all of it was touched;
+- growth: RSS from the first sample with the pool fully touched to the end (the verdict, with how
+  many requests that window spans), and RSS less the pool from the warm-up to the end.
+A leak shows in both; a pool still filling shows only in the first. At the end, with the server
+idle, `brisk:kv_blocks_used` must be 0 and running/waiting 0.
 
     .venv/bin/python benchmarks/soak.py [--requests 5000] [--warmup 1000] [--concurrency 16]
         [-- extra brisk serve flags, e.g. --quantization none]
@@ -95,15 +100,30 @@ async def send(client: httpx.AsyncClient, kind: str, path: str, body: dict, time
         return "client-timeout"
 
 
+async def metric_values(client: httpx.AsyncClient) -> dict[str, float]:
+    metrics = (await client.get("/metrics")).text
+    return {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+            if line and not line.startswith("#") and len(line.split()) == 2}
+
+
+async def sample(client: httpx.AsyncClient, pid: int, count: int) -> tuple[int, float, float]:
+    """(requests done, RSS MB, KV pool resident MB)"""
+    pool = (await metric_values(client)).get("brisk:kv_cache_resident_bytes", 0.0) / 2**20
+    return count, rss_mb(pid), pool
+
+
 async def run(url: str, pid: int, n: int, warmup: int, concurrency: int, seed: int) -> dict:
     rng = random.Random(seed)
     requests = [make_request(rng, i) for i in range(n)]
     statuses: dict[str, int] = {}
-    samples: list[tuple[int, float]] = [(0, rss_mb(pid))]
     next_index = 0
     done = 0
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        first = await metric_values(client)
+        pool_mb = first.get("brisk:kv_cache_bytes", 0.0) / 2**20
+        samples: list[tuple[int, float, float]] = [await sample(client, pid, 0)]
+
         async def worker():
             nonlocal next_index, done
             while next_index < n:
@@ -113,26 +133,34 @@ async def run(url: str, pid: int, n: int, warmup: int, concurrency: int, seed: i
                 statuses[f"{kind}:{status}"] = statuses.get(f"{kind}:{status}", 0) + 1
                 done += 1
                 if done % 250 == 0:
-                    samples.append((done, rss_mb(pid)))
+                    samples.append(await sample(client, pid, done))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
         deadline = time.monotonic() + 60
         while True:  # the server notices the last disconnects within its poll interval
-            metrics = (await client.get("/metrics")).text
-            values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                      if line and not line.startswith("#") and len(line.split()) == 2}
+            values = await metric_values(client)
             busy = values.get("brisk:num_requests_running", 0) + values.get("brisk:num_requests_waiting", 0)
             if (busy == 0 and values.get("brisk:kv_blocks_used", 0) == 0) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-    samples.append((n, rss_mb(pid)))
-    after_warmup = next(rss for count, rss in samples if count >= warmup)
+        samples.append(await sample(client, pid, n))
+    warm = next(s for s in samples if s[0] >= warmup)
+    end = samples[-1]
+    # the pool counts as touched within one huge page per layer slice of K and of V
+    full = next((s for s in samples if pool_mb and s[2] >= pool_mb * 0.99), None)
     return {"requests": n, "elapsed_s": round(elapsed, 1), "req_per_s": round(n / elapsed, 1),
-            "rss_start_mb": round(samples[0][1]), "rss_after_warmup_mb": round(after_warmup),
-            "rss_end_mb": round(samples[-1][1]), "rss_max_mb": round(max(r for _, r in samples)),
-            "growth_after_warmup_pct": round((samples[-1][1] - after_warmup) / after_warmup * 100, 2),
+            "rss_start_mb": round(samples[0][1]), "rss_after_warmup_mb": round(warm[1]),
+            "rss_end_mb": round(end[1]), "rss_max_mb": round(max(s[1] for s in samples)),
+            "growth_after_warmup_pct": round((end[1] - warm[1]) / warm[1] * 100, 2),
+            "kv_pool_mb": round(pool_mb), "kv_pool_resident_end_mb": round(end[2]),
+            "pool_full_after_requests": full[0] if full else None,
+            "requests_after_pool_full": n - full[0] if full else 0,
+            "growth_after_pool_full_pct": round((end[1] - full[1]) / full[1] * 100, 2) if full else None,
+            "rss_less_pool_after_warmup_mb": round(warm[1] - warm[2]), "rss_less_pool_end_mb": round(end[1] - end[2]),
+            "growth_less_pool_after_warmup_pct": round(((end[1] - end[2]) - (warm[1] - warm[2]))
+                                                       / (warm[1] - warm[2]) * 100, 2),
             "kv_blocks_used_at_end": values.get("brisk:kv_blocks_used"),
             "running_waiting_at_end": busy,
             "aborts": {k.split('cause="')[1].rstrip('"}'): v for k, v in values.items()
@@ -141,7 +169,8 @@ async def run(url: str, pid: int, n: int, warmup: int, concurrency: int, seed: i
                             and 'status="5' in k and 'route="/ready"' not in k),  # /ready: 503 while loading
             "http_statuses": {k.split("{")[1].rstrip("}"): v for k, v in values.items()
                               if k.startswith("brisk:http_responses_total")},
-            "statuses": dict(sorted(statuses.items())), "rss_samples": [(c, round(r)) for c, r in samples]}
+            "statuses": dict(sorted(statuses.items())),
+            "samples_requests_rss_pool_mb": [(c, round(r), round(p)) for c, r, p in samples]}
 
 
 def main() -> None:
@@ -165,11 +194,16 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"\n| serve flags | requests | req/s | RSS after warm-up MB | RSS end MB | growth | max RSS MB | "
-          f"KV blocks used at end | 5xx |")
-    print(f"| {result['serve_flags']} | {result['requests']} | {result['req_per_s']} | {result['rss_after_warmup_mb']} | "
-          f"{result['rss_end_mb']} | {result['growth_after_warmup_pct']}% | {result['rss_max_mb']} | "
-          f"{result['kv_blocks_used_at_end']:g} | {result['http_5xx']:g} |")
+    r = result
+    full = (f"after {r['pool_full_after_requests']} requests" if r["pool_full_after_requests"] is not None
+            else "never (run longer or give a smaller --kv-cache-memory)")
+    print(f"\n| serve flags | requests | req/s | KV pool MB | pool fully touched | RSS growth after (requests) | "
+          f"RSS less pool: growth after warm-up | max RSS MB | KV blocks used at end | 5xx |")
+    growth = (f"{r['growth_after_pool_full_pct']}% ({r['requests_after_pool_full']})"
+              if r["growth_after_pool_full_pct"] is not None else "-")
+    print(f"| {r['serve_flags']} | {r['requests']} | {r['req_per_s']} | {r['kv_pool_mb']} | {full} | {growth} | "
+          f"{r['growth_less_pool_after_warmup_pct']}% | {r['rss_max_mb']} | {r['kv_blocks_used_at_end']:g} | "
+          f"{r['http_5xx']:g} |")
 
 
 if __name__ == "__main__":

@@ -67,3 +67,20 @@ def test_a_bad_hugepages_setting_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("BRISK_KV_HUGEPAGES", "yes")
     with pytest.raises(BriskError, match="BRISK_KV_HUGEPAGES='yes': expected 'on' or 'off'"):
         PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_resident_bytes_follow_the_pages_written(huge, monkeypatch):
+    """brisk:kv_cache_resident_bytes: nothing of a fresh pool is in memory, the pages written are
+    (whole huge pages when they back the buffer), and a fully written pool is resident in full."""
+    monkeypatch.setenv("BRISK_KV_HUGEPAGES", "on" if huge else "off")
+    cache = PagedKVCache(4, 16384, 2, 64, torch.float32, CPU)  # 2 x 32 MiB
+    assert cache.nbytes == 2 * 4 * 16384 * 2 * 64 * 4
+    base = cache.resident_bytes()  # slot 0 of each layer is zeroed at creation
+    assert base is not None and base <= 2 * 4 * (hugepages.HUGE_PAGE if huge else 4096)
+    cache.k[1, 5000:7000].fill_(1.0)  # 1 MiB of layer 1's K, past the huge page slot 0 is in
+    grown = cache.resident_bytes() - base
+    assert 2000 * 2 * 64 * 4 <= grown <= 2000 * 2 * 64 * 4 + 2 * (hugepages.HUGE_PAGE if huge else 4096)
+    cache.k.fill_(0.0)
+    cache.v.fill_(0.0)
+    assert cache.resident_bytes() == cache.nbytes

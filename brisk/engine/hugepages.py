@@ -25,6 +25,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import torch
 
 from brisk.errors import BriskError
@@ -71,3 +72,34 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge
     if madvise(buffer.data_ptr(), advised, MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): KV cache on 4 KB pages", ctypes.get_errno())
     return buffer
+
+
+def _mincore():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes(buffer: torch.Tensor) -> int | None:
+    """Bytes of a CPU buffer that are in memory now (mincore over its pages): how much of a lazily
+    touched KV pool the process holds. None where the OS cannot say (not Linux, not CPU)."""
+    mincore = _mincore() if buffer.device.type == "cpu" else None
+    if mincore is None or buffer.numel() == 0:
+        return None
+    start = buffer.data_ptr() // PAGE * PAGE
+    end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    pages = -(-(end - start) // PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    if mincore(start, end - start, vec) != 0:
+        return None
+    resident = int(np.count_nonzero(np.frombuffer(vec.raw, dtype=np.uint8) & 1))
+    return min(resident * PAGE, end - buffer.data_ptr())

@@ -26,6 +26,10 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_acceptance_lengths: tuple[int, ...] = ()
+    # the KV pool's bytes, and how many of them are in memory (the pool is touched lazily, so
+    # resident memory grows until every block has been written once); 0 where unknown
+    kv_cache_bytes: int = 0
+    kv_cache_resident_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -135,6 +135,10 @@ class _EngineCollector:
             ("brisk:kv_usage_ratio", "Used / total KV blocks.", lambda s: s.kv_usage),
             ("brisk:kv_fragmentation_ratio", "Unfilled slots in used blocks / slots of used blocks.",
              lambda s: s.kv_internal_fragmentation),
+            ("brisk:kv_cache_bytes", "Bytes of the KV pool (K and V, all layers).", lambda s: s.kv_cache_bytes),
+            ("brisk:kv_cache_resident_bytes", "Bytes of the KV pool in memory now: blocks are mapped on first "
+             "write, so this grows until every block has been used once (0 where the OS cannot say).",
+             lambda s: s.kv_cache_resident_bytes),
         ]
         for name, doc, value_of in gauges:
             yield family(GaugeMetricFamily, name, doc, value_of)
