@@ -1,12 +1,19 @@
-"""What `--batch-invariant` costs, and what it buys: the demo model served as int4, the engine
-alone (no server), default mode and batch-invariant mode interleaved in one process.
+"""What batch invariance (the default; `--no-batch-invariant` turns it off) costs, and what it
+buys: the demo model served as int4, the engine alone (no server), both modes interleaved in one
+process.
 
   prefill   N prompts of ~L tokens, 1 generated token each, all submitted at once: prompt tok/s
   decode    16 short prompts, 64 greedy tokens each: output tok/s
+  streams   16 prompts of ~S tokens, 128 greedy tokens each, all at once (prefill and decode
+            mixed, as a server at 16 streams sees them): output tok/s and total tok/s
   agreement 64 short prompts, 24 greedy tokens, alone vs all at once (4 prompts of ~300 tokens
             among them, chunked by the token budget): how many requests' tokens differ
+  cache     60 prompts behind one long system prompt, 48 greedy tokens: each alone on a fresh
+            engine (cold) vs one after another on one engine with prefix caching (the system
+            prompt cached): how many differ
 
-    .venv/bin/python benchmarks/batch_invariant.py [--prompts 8] [--prompt-tokens 1500] [--rounds 2]
+    .venv/bin/python benchmarks/batch_invariant.py [--prompts 8] [--prompt-tokens 1500]
+        [--stream-prompt-tokens 1000] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ from brisk.loading.loader import load  # noqa: E402
 WORDS = "river stone market bread water bird town street light house tree wind rain story music".split()
 
 
-def engine(loaded, invariant: bool) -> LLMEngine:
-    return LLMEngine(loaded, CacheConfig(num_gpu_blocks_override=4096, enable_prefix_caching=False),
+def engine(loaded, invariant: bool, prefix: bool = False) -> LLMEngine:
+    return LLMEngine(loaded, CacheConfig(num_gpu_blocks_override=4096, enable_prefix_caching=prefix),
                      SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096),
                      batch_invariant=invariant)
 
@@ -51,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--stream-prompt-tokens", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     loaded = load("smollm2-135m-instruct")
@@ -61,11 +69,18 @@ def main() -> None:
     short = [tok.encode_chat([{"role": "user", "content": f"Tell me about {w} number {i}."}])
              for i, w in enumerate(WORDS * 5)][:60]
     short += [tok.encode_chat([{"role": "user", "content": "A" * 300 + str(i)}]) for i in range(4)]
+    streams = [tok.encode_chat([{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(
+        args.stream_prompt_tokens))}])[:args.stream_prompt_tokens] for _ in range(16)]
+    system = {"role": "system", "content": "You are a patient tutor who answers in full sentences. " * 6}
+    behind = [tok.encode_chat([system, {"role": "user", "content": f"Tell me one fact about {w} number {i}."}])
+              for i, w in enumerate(WORDS * 4)]
     bandwidth, how = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); {args.prompts} prompts of {len(long[0])} tokens")
     engines = {False: engine(loaded, False), True: engine(loaded, True)}
     prefill = {False: [], True: []}
     decode = {False: [], True: []}
+    mixed = {False: [], True: []}
+    long_gen = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     gen = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for _ in range(args.rounds):
@@ -74,16 +89,27 @@ def main() -> None:
             prefill[mode].append(sum(map(len, long)) / t)
             t, outs = run(eng, short[:16], gen)
             decode[mode].append(sum(map(len, outs)) / t)
+            t, outs = run(eng, streams, long_gen)
+            mixed[mode].append((sum(map(len, outs)) / t, (sum(map(len, outs)) + sum(map(len, streams))) / t))
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    print("| mode | prefill prompt tok/s (median) | decode output tok/s, 16 streams (median) "
-          "| requests whose greedy tokens differ, alone vs 64 at once |")
-    print("|---|---|---|---|")
+    reply = SamplingParams(max_tokens=48, temperature=0)
+    print(f"| mode | prefill prompt tok/s | decode output tok/s, 16 streams | 16 streams x {len(streams[0])}-token "
+          "prompts + 128 tokens: output tok/s (total tok/s) | differ, alone vs 64 at once | differ, cold vs "
+          "cached system prompt |")
+    print("|---|---|---|---|---|---|")
     for mode, eng in engines.items():
         alone = [run(eng, [p], greedy)[1][0] for p in short]
         _, together = run(eng, short, greedy)
         differ = sum(a != b for a, b in zip(alone, together))
-        print(f"| {'batch-invariant' if mode else 'default'} | {statistics.median(prefill[mode]):.0f} | "
-              f"{statistics.median(decode[mode]):.1f} | {differ} of {len(short)} |")
+        cold = [run(engine(loaded, mode, prefix=True), [p], reply)[1][0] for p in behind]
+        warm_engine = engine(loaded, mode, prefix=True)
+        warm = [run(warm_engine, [p], reply)[1][0] for p in behind]
+        cached = sum(a != b for a, b in zip(cold, warm))
+        out_tps = statistics.median(m[0] for m in mixed[mode])
+        all_tps = statistics.median(m[1] for m in mixed[mode])
+        print(f"| {'batch-invariant (default)' if mode else '--no-batch-invariant'} | "
+              f"{statistics.median(prefill[mode]):.0f} | {statistics.median(decode[mode]):.1f} | "
+              f"{out_tps:.1f} ({all_tps:.0f}) | {differ} of {len(short)} | {cached} of {len(behind)} |")
 
 
 if __name__ == "__main__":

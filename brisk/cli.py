@@ -48,11 +48,13 @@ def _add_engine_args(p) -> None:
                    help="share the KV blocks of a common prompt prefix (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="the same as --no-enable-prefix-caching")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="a request's greedy output does not depend on what it is batched with, for quantized "
-                        "models too (prompt tokens attend row by row: prefill slower on long prompts, 0.84x at "
-                        "3,500 tokens; vLLM's "
-                        "VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="a request's greedy output depends on the request only: not on what it is batched with "
+                        "nor on the prefix cache (prompt tokens attend row by row through the compiled kernel, "
+                        "in tiles). Default: on wherever that kernel runs (CPU, float32/bfloat16 KV); "
+                        "--batch-invariant makes it an error where it cannot; --no-batch-invariant: prompt "
+                        "chunks take SDPA (vLLM's VLLM_BATCH_INVARIANT, SGLang's "
+                        "--enable-deterministic-inference)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's flag: speculative decoding, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "

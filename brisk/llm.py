@@ -20,7 +20,7 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_memory: int | None = None,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, seed: int = 0,
-                 speculative_config: dict[str, Any] | None = None, batch_invariant: bool = False):
+                 speculative_config: dict[str, Any] | None = None, batch_invariant: bool | None = None):
         # vLLM's argument: {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, ...}
         speculative = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
         self.loaded = load(model, device=device, dtype=dtype, max_model_len=max_model_len,

@@ -78,7 +78,7 @@ def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_
             await asyncio.sleep(0.01 + prompt_tokens * PREFILL_S_PER_TOKEN)
             for i in range(max_tokens):
                 if i:  # shared compute: every running stream slows every token
-                    await asyncio.sleep(0.008 * (1 + 0.7 * (state["active"] - 1)) if compute_bound else
+                    await asyncio.sleep(0.008 * (1 + 1.0 * (state["active"] - 1)) if compute_bound else
                                         SERIAL_TOKEN_DELAY_S if serial else TOKEN_DELAY_S)
                 yield "tok "
         finally:

@@ -187,3 +187,31 @@ def test_metrics_scrape_adds_counts_across_replicas_and_keeps_the_fullest_kv_usa
     metrics = scrape(prober)
     assert metrics["brisk:kv_usage_ratio"] == 0.7
     assert metrics["brisk:num_requests_waiting"] == 5
+
+
+STABLE_FAKES = [({}, HEALTHY), ({"serial": True}, {**HEALTHY, "kv_batching": "problem"}),
+                ({"compute_bound": True}, {**HEALTHY, "kv_batching": "warning"})]
+
+
+@pytest.mark.parametrize("flags,expected", STABLE_FAKES, ids=["healthy", "serial-queue", "compute-bound"])
+def test_five_quick_runs_give_the_same_statuses(tmp_path, flags, expected):
+    """--quick runs the same probes every time, and its verdicts sit far from where these servers
+    land: five runs in a row against one server, five identical reports' statuses."""
+    proc, url = start_fake(**flags)
+    try:
+        runs = [run_doctor(url, tmp_path) for _ in range(5)]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert [statuses(r) for r in runs] == [expected] * 5, [
+        {a: f["summary"] for a, f in r["findings"].items()} for r in runs]
+    assert all(r["skipped"] == [] for r in runs)  # the whole plan, every time
+
+
+def test_five_quick_runs_against_brisk_serve_give_the_same_statuses(demo, tmp_path):
+    with serve_engine(make_engine(demo)) as live:
+        runs = [run_doctor(live.url, tmp_path) for _ in range(5)]
+    got = [statuses(r) for r in runs]
+    assert got == [got[0]] * 5, [{a: f["summary"] for a, f in r["findings"].items()} for r in runs]
+    assert all(r["skipped"] == [] for r in runs)
+    assert got[0]["kv_batching"] in ("ok", "warning") and got[0]["network"] == got[0]["cold_start"] == "ok"

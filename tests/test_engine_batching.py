@@ -2,14 +2,13 @@
 under a KV pool so small that preemption happens), agreement with the simple path,
 sampling, stop strings, aborts and prefix sharing.
 
-NOTE: by default batch invariance is asserted on the float32 model (`--quantization none`).
-With the quantized kernels' int8 activation blocks it does not hold end to end by default:
-the matmul kernel is batch-invariant (tests/test_quant.py), but SDPA's prefill attention rounds
-differently with the chunking of a prompt (which depends on what shares the step) by ~1e-7,
-and rounding activations to int8 turns such a difference into a whole int8 step now and then,
-which can flip a greedy token. `batch_invariant=True` (`--batch-invariant`) runs prompt tokens
-through the fixed-order paged kernel row by row: the quantized model is then invariant too,
-asserted below."""
+By default (batch-invariant mode, wherever the compiled kernel runs) prompt tokens attend
+through the fixed-order paged kernel row by row, so a row's result does not depend on how its
+prompt was chunked; with the row-invariant matmul kernels (tests/test_quant.py) greedy output is
+then the same in any batch, for the float32 and the quantized model. With
+`batch_invariant=False` (`--no-batch-invariant`) prompt chunks take SDPA, which rounds
+differently with the chunking (~1e-7); the int8 activation blocks of the quantized layers turn
+such a difference into a whole int8 step now and then, which can flip a greedy token."""
 
 import math
 
@@ -40,7 +39,7 @@ def prompts64(demo):
 
 
 def make_engine(demo, num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, prefix=True, block_size=16,
-                batch_invariant=False):
+                batch_invariant=None):
     return LLMEngine(demo, CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks or 2048,
                                        enable_prefix_caching=prefix),
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -101,28 +100,43 @@ def test_greedy_invariance_under_preemption(demo_fp32, prompts64, one_at_a_time)
 
 @pytest.fixture(scope="module")
 def int4_one_at_a_time(demo, prompts64):
-    return run(make_engine(demo, batch_invariant=True), prompts64, GREEDY, wave=1)
+    return run(make_engine(demo), prompts64, GREEDY, wave=1)
 
 
 @pytest.mark.parametrize("wave", [8, 64])
-def test_quantized_greedy_batch_invariance_in_batch_invariant_mode(demo, prompts64, int4_one_at_a_time, wave):
-    """The demo's Q4_1 weights served as int4: alone, in waves of 8 and of 64 (where prompts are
-    chunked by the 512-token budget and share steps with decodes), the same greedy tokens."""
-    assert run(make_engine(demo, batch_invariant=True), prompts64, GREEDY, wave=wave) == int4_one_at_a_time
+def test_quantized_greedy_batch_invariance(demo, prompts64, int4_one_at_a_time, wave):
+    """The demo's Q4_1 weights served as int4, default flags: alone, in waves of 8 and of 64 (where
+    prompts are chunked by the 512-token budget and share steps with decodes), the same greedy
+    tokens."""
+    assert run(make_engine(demo), prompts64, GREEDY, wave=wave) == int4_one_at_a_time
 
 
-def test_quantized_greedy_invariance_under_preemption_in_batch_invariant_mode(demo, prompts64, int4_one_at_a_time):
+def test_quantized_greedy_does_not_depend_on_the_prefix_cache(demo, prompts64, int4_one_at_a_time):
+    """Each prompt again on the same engine: now its chat-template prefix (and, the second time,
+    the whole prompt but its last token) comes from the prefix cache, and the tokens are the same."""
+    engine = make_engine(demo)
+    for _ in range(2):
+        assert run(engine, prompts64, GREEDY) == int4_one_at_a_time
+    assert engine.stats().prefix_cache_hits_tokens > sum(len(p) for p in prompts64) // 2
+
+
+def test_quantized_greedy_invariance_under_preemption(demo, prompts64, int4_one_at_a_time):
     """Preempted requests recompute their K/V from prompt + outputs as prompt chunks: row by row,
     the same bits as the decode steps that first wrote them."""
-    engine = make_engine(demo, num_blocks=64, batch_invariant=True)
+    engine = make_engine(demo, num_blocks=64)
     assert run(engine, prompts64, GREEDY) == int4_one_at_a_time
     assert engine.stats().num_preemptions > 0
 
 
 def test_batch_invariant_mode_needs_the_compiled_kernel(demo, monkeypatch):
+    """Asked for, it is an error where the kernel does not run; by default it is then off."""
     monkeypatch.setenv("BRISK_ATTENTION", "torch")
     with pytest.raises(BriskError, match="--batch-invariant needs"):
         make_engine(demo, batch_invariant=True)
+    assert make_engine(demo, num_blocks=64).runner.batch_invariant is False
+    monkeypatch.delenv("BRISK_ATTENTION")
+    assert make_engine(demo, num_blocks=64).runner.batch_invariant is True
+    assert make_engine(demo, num_blocks=64, batch_invariant=False).runner.batch_invariant is False
 
 
 def test_prefix_sharing_saves_blocks_and_keeps_outputs(demo):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk import kernels
+from brisk.models.layers import attend
 from brisk.engine.attention import (AttentionMetadata, KernelPagedAttention, PagedKVCache, PrefillSeq,
                                     TorchPagedAttention, attention_backend, block_tables, context_slots)
 
@@ -224,3 +225,62 @@ def test_sliding_window_reads_only_the_last_window_positions(lib, window):
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), bs, tables, lens, [], (window,))
     torch_out = TorchPagedAttention(None, meta, 0.125)._gathered_decode(q, k, v, window)
     assert (torch_out.double() - expected).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("isa", sorted(ISAS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 37])
+def test_prompt_rows_in_tiles_are_each_row_alone(lib, isa, dtype, window):
+    """A prompt chunk's rows (one sequence's consecutive positions, one block table) walk their
+    context together in tiles; each row's result is bit for bit the one it gets alone as a decode
+    row, wherever the chunk starts (so a cached prefix changes nothing), across part boundaries
+    and windows, and it matches the float64 reference."""
+    lib.brisk_paged_attention_force_isa(isa)
+    bs, heads, kv_heads, dim = 16, 8, 2, 64
+    total = 1100  # the prompt; chunks of it below start at 0, mid-block and just before a part edge
+    num_blocks = -(-total // bs) + 3
+    table = scattered([total], bs, num_blocks, seed=7)[0]
+    gen = torch.Generator().manual_seed(isa)
+    k = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
+    q_all = torch.randn(total, heads, dim, generator=gen)
+    lens_all = torch.arange(1, total + 1, dtype=torch.int32)
+    tables_all = block_tables([table] * total, lens_all.tolist(), bs)
+    alone = torch.cat([kernels.paged_decode_attention(q_all[p:p + 1], k, v, tables_all[p:p + 1], lens_all[p:p + 1],
+                                                      bs, 0.125, window=window) for p in range(total)])
+    for start, end in ((0, 40), (5, 300), (505, 530), (1000, 1100)):
+        # a decode row of another sequence first, as the runner lays a mixed step out
+        other = scattered([50], bs, num_blocks, seed=8)[0]
+        q = torch.cat([torch.randn(1, heads, dim, generator=gen), q_all[start:end]])
+        lens = torch.cat([torch.tensor([50], dtype=torch.int32), lens_all[start:end]])
+        tables = block_tables([other] + [table] * (end - start), lens.tolist(), bs)
+        out = kernels.paged_decode_attention(q, k, v, tables, lens, bs, 0.125, window=window)
+        assert torch.equal(out[1:], alone[start:end]), (ISAS[isa], start)
+    if window is None:
+        ref = reference(q_all[::97], k, v, tables_all[::97], lens_all[::97], bs, 0.125)
+        assert (alone[::97].double() - ref).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("isa", sorted(ISAS))
+def test_soft_capped_scores_match_the_eager_reference(lib, isa):
+    """Gemma 2's soft-capping (cap * tanh(score / cap) before the softmax) in the kernel: against
+    the eager float64 math transformers runs, with scores large enough that the cap bites."""
+    lib.brisk_paged_attention_force_isa(isa)
+    bs, heads, kv_heads, dim, cap = 16, 8, 4, 64, 5.0
+    lengths = [1, 17, 300, 1030]
+    num_blocks = sum(-(-n // bs) + 1 for n in lengths) + 2
+    gen = torch.Generator().manual_seed(isa + 11)
+    k = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen) * 3
+    v = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen)
+    q = torch.randn(len(lengths), heads, dim, generator=gen) * 3
+    tables = block_tables(scattered(lengths, bs, num_blocks, seed=5), lengths, bs)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    slots, mask = context_slots(tables, lens, bs, CPU)
+    keys = k.double().index_select(0, slots).view(len(lengths), -1, kv_heads, dim).transpose(1, 2)
+    values = v.double().index_select(0, slots).view(len(lengths), -1, kv_heads, dim).transpose(1, 2)
+    capped = attend(q.double().unsqueeze(2), keys, values, mask, False, 0.125, cap).reshape(len(lengths), -1)
+    plain = reference(q, k, v, tables, lens, bs, 0.125)
+    assert (capped - plain).abs().max() > 0.1  # the cap changes the result here
+    for part in (0, 512):
+        out = kernels.paged_decode_attention(q, k, v, tables, lens, bs, 0.125, part_tokens=part, softcap=cap)
+        assert (out.double() - capped).abs().max() < 2e-5, (ISAS[isa], part)

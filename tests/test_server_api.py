@@ -245,3 +245,40 @@ def test_cache_salt_separates_prefix_cache_tenants(client):
     assert cached("tenant-b") == 0  # another salt sees nothing
     assert cached(None) == 0  # nor does an unsalted request
     assert cached(None) >= 100
+
+
+def test_greedy_text_depends_on_the_request_only(client):
+    """Default flags: a greedy request 5 times alone, the first with a cold prefix cache, the others
+    after another request cached its system prompt (so only its question is computed), and 5 times
+    inside a batch of 16 different requests: the same text every time. (With --no-batch-invariant
+    these two questions' replies change once the system prompt is cached: the question is then a
+    prompt chunk of its own rather than the end of the whole prompt's.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(msgs, salt):
+        resp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0,
+                                              extra_body={"cache_salt": salt})
+        return resp.choices[0].message.content
+
+    system = {"role": "system", "content": "You are a patient tutor who answers in full sentences. Session 7c1e. " * 6}
+    sibling = [system, {"role": "user", "content": "hi"}]
+    for question in ["Tell me one fact about owls.", "Tell me one fact about whales."]:
+        messages = [system, {"role": "user", "content": question}]
+        texts = []
+        for k in range(5):  # each with a cache salt of its own: a cache no other request has touched
+            salt = f"{question}-alone-{k}"
+            if k:
+                ask(sibling, salt)  # the system prompt cached, not the question
+            texts.append(ask(messages, salt))
+        others = [[system if i % 2 else {"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": f"Say something about the number {i}." * (1 + i % 4)}]
+                  for i in range(15)]
+        with ThreadPoolExecutor(16) as pool:
+            for k in range(5):
+                salt = f"{question}-batch-{k}"
+                futures = [pool.submit(ask, m, salt) for m in others[:k * 3]] + [pool.submit(ask, messages, salt)] + \
+                    [pool.submit(ask, m, salt) for m in others[k * 3:]]
+                texts.append(futures[k * 3].result())
+                for f in futures:
+                    f.result()
+        assert len(set(texts)) == 1, (question, texts)

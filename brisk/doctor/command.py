@@ -38,7 +38,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         model = args.model or (ids[0] if ids else None)
         if model is None:
             raise BriskError(f"{args.url} lists no model; pass --model")
-        total = Budget(args.budget if args.budget is not None else (60.0 if args.quick else 600.0) - 4.0)
+        total = Budget(args.budget if args.budget is not None else (60.0 if args.quick else 600.0) - 4.0,
+                       fixed=args.quick)
         options = checks.Options(model=model, quick=args.quick, max_concurrency=args.max_concurrency,
                                  max_model_len=args.max_model_len, sample_file=args.sample_file,
                                  cold_wait_s=args.cold_wait,

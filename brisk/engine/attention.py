@@ -110,6 +110,16 @@ class PagedKVCache:
         self.k[:, 0].zero_()
         self.v[:, 0].zero_()
 
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def resident_bytes(self) -> int | None:
+        """How much of the pool is in memory now (pages are mapped on first write); None where
+        the OS cannot say."""
+        k, v = hugepages.resident_bytes(self.k), hugepages.resident_bytes(self.v)
+        return None if k is None or v is None else k + v
+
 
 class TorchPagedAttention:
     """Callable passed to the model for one step: writes this step's K/V, then attends. Decode rows
@@ -179,29 +189,25 @@ class TorchPagedAttention:
 class KernelPagedAttention(TorchPagedAttention):
     """Decode rows attend through their block tables in place (brisk/kernels/paged_attention.cpp):
     no gathered copy of the context per layer. Prompt chunks keep SDPA (their cost is the
-    quadratic math, not the copy)."""
+    quadratic math, not the copy) unless they are laid out as decode rows (batch-invariant mode,
+    the default), which the kernel then walks in tiles of consecutive positions."""
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 window: int | None) -> torch.Tensor:
         meta = self.meta
         out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens,
-                                             meta.block_size, self.scale, window=window)
+                                             meta.block_size, self.scale, window=window, softcap=self.softcap)
         if out is None:  # a shape the kernel does not take
             return self._gathered_decode(q, k_cache, v_cache, window)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def attention_backend(device: torch.device, dtype: torch.dtype, softcap: float | None = None
-                      ) -> type[TorchPagedAttention]:
-    """The compiled kernel on CPU for float32/bfloat16 KV when it is built, else the torch path
-    (also for soft-capped attention, Gemma 2's, which the kernel does not compute).
+def attention_backend(device: torch.device, dtype: torch.dtype) -> type[TorchPagedAttention]:
+    """The compiled kernel on CPU for float32/bfloat16 KV when it is built, else the torch path.
     BRISK_ATTENTION=torch forces the torch path (to compare, or to rule the kernel out)."""
     choice = os.environ.get("BRISK_ATTENTION", "auto")
     if choice not in ("auto", "torch"):
         raise ValueError(f"BRISK_ATTENTION={choice!r}: expected 'auto' or 'torch'")
-    if softcap is not None:
-        log.info("paged attention: torch (soft-capped scores)")
-        return TorchPagedAttention
     if (choice == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and kernels.library() is not None):
         log.info("paged attention: compiled CPU kernel (%s)", kernels.attention_isa())

@@ -48,7 +48,7 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None,
                  scheduler: SchedulerConfig | None = None, seed: int = 0,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool | None = None):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
@@ -76,9 +76,13 @@ class LLMEngine:
                      " (full-attention layers keep every block)")
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(loaded, self.num_blocks, bs, seed, batch_invariant=batch_invariant)
-        if batch_invariant:
-            log.info("batch-invariant mode: prompt tokens attend row by row (greedy output independent of the "
-                     "batch; prefill slower on long prompts)")
+        if self.runner.batch_invariant:
+            log.info("batch-invariant: greedy output depends on the request only, not on the batch or the "
+                     "prefix cache (--no-batch-invariant: prompt chunks take SDPA instead)")
+        else:
+            log.info("batch-invariant off%s: a greedy reply may change with what it is batched with and with "
+                     "the prefix cache", "" if batch_invariant is False else " (the compiled attention kernel "
+                     "does not run here)")
         self.spec_config = speculative
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         self.drafter = None
@@ -323,4 +327,5 @@ class LLMEngine:
             prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
             spec_draft_tokens=self.spec_stats.num_drafted, spec_accepted_tokens=self.spec_stats.num_accepted,
             spec_acceptance_lengths=tuple(self.spec_stats.acceptance_lengths),
+            kv_cache_bytes=self.runner.kv.nbytes, kv_cache_resident_bytes=self.runner.kv.resident_bytes() or 0,
         )

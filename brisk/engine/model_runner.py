@@ -21,17 +21,20 @@ from brisk.loading.loader import LoadedModel
 
 
 class ModelRunner:
-    """`batch_invariant`: every token of a prompt chunk attends as a decode row of its own (the
-    compiled kernel, reading its context through the block table in a fixed order from position
-    0), as drafted tokens already do. A row's attention then depends on its own tokens only, not
-    on how the scheduler chunked its prompt or what shared the step; with the row-invariant
-    matmul kernels, greedy output is the same in any batch for quantized models too (where int8
-    activation rounding turns SDPA's chunk-dependent last bits into other tokens now and then).
-    The price is prefill speed on long prompts: per-row attention instead of SDPA's blocked one
-    (0.84x at 3,500-token prompts, none measurable at 1,500; RESULTS.md, "Batch-invariant mode")."""
+    """`batch_invariant` (default: wherever the compiled kernel runs): every token of a prompt chunk
+    attends as a decode row of its own (the compiled kernel, reading its context through the block
+    table in a fixed order from position 0), as drafted tokens already do; the kernel walks a
+    chunk's rows in tiles of consecutive positions, so the context is read once per tile, not per
+    row. A row's attention then depends on its own tokens only: not on how the scheduler chunked
+    its prompt, how much of it came from the prefix cache, or what shared the step. With the
+    row-invariant matmul kernels, greedy output is the same in any batch and with a cold or warm
+    prefix cache, for quantized models too (where int8 activation rounding turns SDPA's
+    chunk-dependent last bits into other tokens now and then). False: prompt chunks take SDPA.
+    None: on where the kernel runs, else off (with a log line saying so); True: an error where
+    the kernel does not run."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool | None = None):
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -40,15 +43,16 @@ class ModelRunner:
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
                                loaded.dtype, loaded.device)
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
-        self.attention = attention_backend(torch.device(loaded.device), loaded.dtype, self.softcap)
+        self.attention = attention_backend(torch.device(loaded.device), loaded.dtype)
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
         self.decode_stack = (DecodeStack.build(self.model, self.kv, self.scale, block_size)
                              if self.attention is KernelPagedAttention else None)
-        if batch_invariant and self.attention is not KernelPagedAttention:
+        kernel = self.attention is KernelPagedAttention
+        if batch_invariant and not kernel:
             raise BriskError("--batch-invariant needs brisk's compiled paged attention kernel (CPU, float32 or "
-                             "bfloat16 KV, built by `make`; not with BRISK_ATTENTION=torch, nor for soft-capped "
-                             "attention such as Gemma 2's)")
-        self.batch_invariant = batch_invariant
+                             "bfloat16 KV, built by `make`; not with BRISK_ATTENTION=torch); drop the flag to run "
+                             "without it")
+        self.batch_invariant = kernel if batch_invariant is None else batch_invariant
         self.decode_tables = PersistentBlockTables(-(-loaded.max_model_len // block_size))
 
     def _prepare(self, chunks: list[ScheduledChunk]):

@@ -50,7 +50,7 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.brisk_kernels_force_isa.argtypes = [ctypes.c_int]
     lib.brisk_kernels_force_isa.restype = None
     lib.brisk_paged_decode_attention.argtypes = [p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64,
-                                                 ctypes.c_float, i64, i64, p]
+                                                 ctypes.c_float, i64, i64, ctypes.c_float, p]
     lib.brisk_paged_decode_attention.restype = ctypes.c_int
     lib.brisk_paged_attention_isa.restype = ctypes.c_int
     lib.brisk_paged_attention_force_isa.argtypes = [ctypes.c_int]
@@ -134,10 +134,13 @@ PART_TOKENS = 512  # context positions per work item; a row's parts are merged a
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, part_tokens: int = PART_TOKENS, window: int | None = None
-                           ) -> torch.Tensor | None:
+                           scale: float, part_tokens: int = PART_TOKENS, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor | None:
     """One query per row attending to its context through its block table, in place in the cache
-    (with `window`: to the row's last `window` positions only).
+    (with `window`: to the row's last `window` positions only; with `softcap`: Gemma 2's capped
+    scores, softcap * tanh(score / softcap)). Consecutive rows that are one sequence's consecutive
+    positions (a prompt chunk laid out as decode rows) walk their context together, in tiles; each
+    row's result is bit for bit the one it gets alone.
 
     q [rows, heads, dim]; k_cache/v_cache [slots, kv_heads, dim] float32 or bfloat16 (contiguous);
     block_tables [rows, max_blocks] int32; context_lens [rows] int32. Returns [rows, heads * dim]
@@ -155,7 +158,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     code = lib.brisk_paged_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                             int(k_cache.dtype == torch.bfloat16), tables.data_ptr(),
                                             tables.shape[1], lens.data_ptr(), rows, heads, k_cache.shape[1],
-                                            dim, block_size, scale, part_tokens, window or 0, out.data_ptr())
+                                            dim, block_size, scale, part_tokens, window or 0, softcap or 0.0,
+                                            out.data_ptr())
     return None if code else out
 
 

@@ -19,7 +19,7 @@ int brisk_paged_decode_attention(const float* q, const void* k_cache, const void
                                  const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t part_tokens, int64_t window,
-                                 float* out);
+                                 float softcap, float* out);
 void brisk_rms_norm(const float* x, float* residual, const float* w, float* out, int64_t rows, int64_t dim,
                     float eps);
 void brisk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
@@ -101,7 +101,7 @@ int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims
         const int code = brisk_paged_decode_attention(s.q, L.k_cache, L.v_cache, (int)d.kv_bf16, block_tables,
                                                       max_blocks, context_lens, rows, d.heads, d.kv_heads,
                                                       d.head_dim, d.block_size, d.scale, d.part_tokens, L.window,
-                                                      s.attn);
+                                                      0.f, s.attn);
         if (code) return code;
         matmul(L.o, s.attn, rows, s, s.proj);
         brisk_rms_norm(s.proj, residual, L.post_norm, s.x, rows, d.hidden, d.eps);

@@ -44,7 +44,14 @@ struct Args {
     const int32_t* context_lens;
     int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2's soft-capping)
 };
+
+// Gemma 2's soft-capped scores, on the n scores of a run (the lanes past it stay -inf)
+inline void cap_scores(const Args& a, float* s, int64_t n) {
+    if (a.softcap > 0.f)
+        for (int64_t t = 0; t < n; t++) s[t] = a.softcap * std::tanh(s[t] / a.softcap);
+}
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -67,18 +74,15 @@ __attribute__((always_inline)) inline void load_row<uint16_t>(const uint16_t* sr
     for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
-// One item: all query heads of `row` over positions [start, end), head h reading kv head h / G.
-// Leaves the un-normalised state in acc [H, D], m [H], l [H].
-// Portable version: plain loops (what CPUs without AVX2 run, and the model for the AVX2 one).
-template <typename KV>
-void item_portable(const Args& a, int64_t row, int64_t start, int64_t end, float* acc, float* m, float* l) {
-    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, bs = a.block_size;
-    const int64_t stride = a.num_kv_heads * D;  // elements between consecutive slots
+// A row's attention is kept as un-normalised state: acc [H, D], m [H] (running max), l [H] (sum).
+// prep_* scales the row's query into qs [H, D] and clears the state; chunk_* folds in one run of
+// n contiguous slots from `slot` (at most CHUNK, within one block). A row's result depends only on
+// its query and the runs it is given: whether it is processed alone (a decode row) or in a tile
+// with the rows after it (a prompt chunk), the same calls on the same data give the same bits.
+// Portable versions: plain loops (what CPUs without AVX2 run, and the model for the others).
+void prep_portable(const Args& a, int64_t row, float* qs, float* acc, float* m, float* l) {
+    const int64_t D = a.head_dim, H = a.num_heads;
     const float* q = a.q + row * H * D;
-    const int32_t* table = a.block_tables + row * a.max_blocks;
-    const KV* kc = static_cast<const KV*>(a.k_cache);
-    const KV* vc = static_cast<const KV*>(a.v_cache);
-    float row_buf[MAX_DIM], qs[MAX_HEADS * MAX_DIM], s[MAX_HEADS][CHUNK];
     for (int64_t g = 0; g < H; g++) {
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
@@ -87,38 +91,45 @@ void item_portable(const Args& a, int64_t row, int64_t start, int64_t end, float
             qs[g * D + d] = q[g * D + d] * a.scale;
         }
     }
-    for (int64_t pos = start; pos < end;) {
-        const int64_t off = pos % bs;
-        const int64_t n = std::min<int64_t>({bs - off, end - pos, CHUNK});
-        const int64_t slot = (int64_t)table[pos / bs] * bs + off;
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t g = 0; g < H; g++) {
-                if (g % G == 0) load_row<KV>(kc + (slot + t) * stride + (g / G) * D, row_buf, D);
-                float dot = 0.f;
-                for (int64_t d = 0; d < D; d++) dot += qs[g * D + d] * row_buf[d];
-                s[g][t] = dot;
-            }
-        }
+}
+
+struct NextRunPrefetch;
+
+template <typename KV>
+void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float* l, int64_t slot, int64_t n,
+                    NextRunPrefetch&) {
+    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads;
+    const int64_t stride = a.num_kv_heads * D;  // elements between consecutive slots
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    float row_buf[MAX_DIM], s[MAX_HEADS][CHUNK];
+    for (int64_t t = 0; t < n; t++) {
         for (int64_t g = 0; g < H; g++) {
-            float mx = m[g];
-            for (int64_t t = 0; t < n; t++) mx = std::max(mx, s[g][t]);
-            const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
-            float sum = 0.f;
-            for (int64_t t = 0; t < n; t++) {
-                s[g][t] = std::exp(s[g][t] - mx);
-                sum += s[g][t];
-            }
-            l[g] = l[g] * corr + sum;
-            m[g] = mx;
-            for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
+            if (g % G == 0) load_row<KV>(kc + (slot + t) * stride + (g / G) * D, row_buf, D);
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; d++) dot += qs[g * D + d] * row_buf[d];
+            s[g][t] = dot;
         }
+    }
+    for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
+    for (int64_t g = 0; g < H; g++) {
+        float mx = m[g];
+        for (int64_t t = 0; t < n; t++) mx = std::max(mx, s[g][t]);
+        const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
+        float sum = 0.f;
         for (int64_t t = 0; t < n; t++) {
-            for (int64_t g = 0; g < H; g++) {
-                if (g % G == 0) load_row<KV>(vc + (slot + t) * stride + (g / G) * D, row_buf, D);
-                for (int64_t d = 0; d < D; d++) acc[g * D + d] += s[g][t] * row_buf[d];
-            }
+            s[g][t] = std::exp(s[g][t] - mx);
+            sum += s[g][t];
         }
-        pos += n;
+        l[g] = l[g] * corr + sum;
+        m[g] = mx;
+        for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t g = 0; g < H; g++) {
+            if (g % G == 0) load_row<KV>(vc + (slot + t) * stride + (g / G) * D, row_buf, D);
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += s[g][t] * row_buf[d];
+        }
     }
 }
 
@@ -130,7 +141,9 @@ void item_portable(const Args& a, int64_t row, int64_t start, int64_t end, float
 struct NextRunPrefetch {
     const char* k = nullptr;
     const char* v = nullptr;
-    int64_t lines = 0, k_done = 0, v_done = 0, k_per = 0, v_per = 0;
+    int64_t lines = 0, k_done = 0, v_done = 0, k_per = 1, v_per = 1;
+
+    NextRunPrefetch() = default;  // prefetches nothing (a tile's later rows: the first row's runs did)
 
     template <typename KV>
     NextRunPrefetch(const Args& a, const int32_t* table, int64_t pos, int64_t n, int64_t end, const KV* kc,
@@ -210,80 +223,77 @@ AVX2 void accumulate_v(float* acc, const KV* v, const float* p, int64_t n, int64
     for (int w = 0; w < W; w++) _mm256_storeu_ps(acc + 8 * w, x[w]);
 }
 
-template <typename KV>
-__attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int64_t row, int64_t start, int64_t end,
-                                                   float* acc, float* m, float* l) {
-    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, bs = a.block_size, V = D / 8;
-    const int64_t stride = a.num_kv_heads * D;
+__attribute__((target("avx2,fma"))) void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float* m,
+                                                   float* l) {
+    const int64_t D = a.head_dim, H = a.num_heads, V = D / 8;
     const float* q = a.q + row * H * D;
-    const int32_t* table = a.block_tables + row * a.max_blocks;
-    const KV* kc = static_cast<const KV*>(a.k_cache);
-    const KV* vc = static_cast<const KV*>(a.v_cache);
-    alignas(32) float qs[MAX_HEADS * MAX_DIM];
-    alignas(32) float s[MAX_HEADS][CHUNK];
     const __m256 scale = _mm256_set1_ps(a.scale);
     for (int64_t g = 0; g < H; g++) {
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
         for (int64_t v = 0; v < V; v++) {
             _mm256_storeu_ps(acc + g * D + 8 * v, _mm256_setzero_ps());
-            _mm256_store_ps(qs + g * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * v), scale));
+            _mm256_storeu_ps(qs + g * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * v), scale));
         }
     }
-    for (int64_t pos = start; pos < end;) {
-        const int64_t off = pos % bs;
-        const int64_t n = std::min<int64_t>({bs - off, end - pos, CHUNK});
-        const int64_t n8 = (n + 7) / 8;
-        const int64_t slot = (int64_t)table[pos / bs] * bs + off;
-        NextRunPrefetch prefetch(a, table, pos, n, end, kc, vc, H * n8);
-        // scores of 8 tokens at a time for one head: 8 independent FMA chains, then one transposing
-        // reduction; tokens past the chunk read its last row and are then set to -inf (exp 0)
-        for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
-            const KV* kh = kc + slot * stride + kvh * D;
-            for (int64_t g = kvh * G; g < kvh * G + G; g++) {
-                const float* qg = qs + g * D;
-                for (int64_t t0 = 0; t0 < n; t0 += 8) {
-                    const KV* rows8[8];
-                    for (int j = 0; j < 8; j++) rows8[j] = kh + std::min<int64_t>(t0 + j, n - 1) * stride;
-                    __m256 d[8];
-                    for (int j = 0; j < 8; j++) d[j] = _mm256_mul_ps(_mm256_load_ps(qg), load8(rows8[j]));
-                    for (int64_t v = 1; v < V; v++) {
-                        const __m256 qv = _mm256_load_ps(qg + 8 * v);
-                        for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, load8(rows8[j] + 8 * v), d[j]);
-                    }
-                    __m256 sums = hsum8x8(d);
-                    store_scores8(&s[g][t0], sums, n - t0);
-                    prefetch.k_step();
+}
+
+template <typename KV>
+__attribute__((target("avx2,fma"))) void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, float* l,
+                                                    int64_t slot, int64_t n, NextRunPrefetch& prefetch) {
+    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, V = D / 8;
+    const int64_t stride = a.num_kv_heads * D;
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    alignas(32) float s[MAX_HEADS][CHUNK];
+    const int64_t n8 = (n + 7) / 8;
+    // scores of 8 tokens at a time for one head: 8 independent FMA chains, then one transposing
+    // reduction; tokens past the chunk read its last row and are then set to -inf (exp 0)
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
+        const KV* kh = kc + slot * stride + kvh * D;
+        for (int64_t g = kvh * G; g < kvh * G + G; g++) {
+            const float* qg = qs + g * D;
+            for (int64_t t0 = 0; t0 < n; t0 += 8) {
+                const KV* rows8[8];
+                for (int j = 0; j < 8; j++) rows8[j] = kh + std::min<int64_t>(t0 + j, n - 1) * stride;
+                __m256 d[8];
+                for (int j = 0; j < 8; j++) d[j] = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(rows8[j]));
+                for (int64_t v = 1; v < V; v++) {
+                    const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
+                    for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, load8(rows8[j] + 8 * v), d[j]);
                 }
+                __m256 sums = hsum8x8(d);
+                store_scores8(&s[g][t0], sums, n - t0);
+                prefetch.k_step();
             }
         }
-        // online softmax, 8 scores at a time
-        for (int64_t g = 0; g < H; g++) {
-            __m256 mx8 = _mm256_set1_ps(m[g]);
-            for (int64_t c = 0; c < n8; c++) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(&s[g][8 * c]));
-            const float mx = hmax8(mx8);
-            const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
-            const __m256 mxv = _mm256_set1_ps(mx);
-            __m256 sum = _mm256_setzero_ps();
-            for (int64_t c = 0; c < n8; c++) {
-                const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[g][8 * c]), mxv));
-                _mm256_store_ps(&s[g][8 * c], p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            l[g] = l[g] * corr + hsum8(sum);
-            m[g] = mx;
-            // acc = acc * corr + sum_t p_t v_t, 8-wide slices of acc kept in registers, several
-            // at once so that the FMA chains overlap
-            const __m256 cv = _mm256_set1_ps(corr);
-            float* ag = acc + g * D;
-            const KV* vh = vc + slot * stride + (g / G) * D;
-            int64_t v0 = 0;
-            for (; v0 + 8 <= V; v0 += 8) accumulate_v<KV, 8>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
-            for (; v0 + 4 <= V; v0 += 4) accumulate_v<KV, 4>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
-            for (; v0 < V; v0++) accumulate_v<KV, 1>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
-            prefetch.v_step();
+    }
+    for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
+    // online softmax, 8 scores at a time
+    for (int64_t g = 0; g < H; g++) {
+        __m256 mx8 = _mm256_set1_ps(m[g]);
+        for (int64_t c = 0; c < n8; c++) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(&s[g][8 * c]));
+        const float mx = hmax8(mx8);
+        const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
+        const __m256 mxv = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t c = 0; c < n8; c++) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[g][8 * c]), mxv));
+            _mm256_store_ps(&s[g][8 * c], p);
+            sum = _mm256_add_ps(sum, p);
         }
-        pos += n;
+        l[g] = l[g] * corr + hsum8(sum);
+        m[g] = mx;
+        // acc = acc * corr + sum_t p_t v_t, 8-wide slices of acc kept in registers, several
+        // at once so that the FMA chains overlap
+        const __m256 cv = _mm256_set1_ps(corr);
+        float* ag = acc + g * D;
+        const KV* vh = vc + slot * stride + (g / G) * D;
+        int64_t v0 = 0;
+        for (; v0 + 8 <= V; v0 += 8) accumulate_v<KV, 8>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
+        for (; v0 + 4 <= V; v0 += 4) accumulate_v<KV, 4>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
+        for (; v0 < V; v0++) accumulate_v<KV, 1>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
+        prefetch.v_step();
     }
 }
 
@@ -347,83 +357,126 @@ AVX512 void accumulate_v16(float* acc, const KV* v, const float* p, int64_t n, i
     for (int w = 0; w < W; w++) _mm512_storeu_ps(acc + 16 * w, _mm512_add_ps(x[w], y[w]));
 }
 
-template <typename KV>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void item_avx512(
-        const Args& a, int64_t row, int64_t start, int64_t end, float* acc, float* m, float* l) {
-    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, bs = a.block_size, V = D / 16;
-    const int64_t stride = a.num_kv_heads * D;
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void prep_avx512(
+        const Args& a, int64_t row, float* qs, float* acc, float* m, float* l) {
+    const int64_t D = a.head_dim, H = a.num_heads, V = D / 16;
     const float* q = a.q + row * H * D;
-    const int32_t* table = a.block_tables + row * a.max_blocks;
-    const KV* kc = static_cast<const KV*>(a.k_cache);
-    const KV* vc = static_cast<const KV*>(a.v_cache);
-    alignas(64) float qs[MAX_HEADS * MAX_DIM];
-    alignas(64) float s[MAX_HEADS][CHUNK];
     const __m512 scale = _mm512_set1_ps(a.scale);
     for (int64_t g = 0; g < H; g++) {
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
         for (int64_t v = 0; v < V; v++) {
             _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_setzero_ps());
-            _mm512_store_ps(qs + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), scale));
+            _mm512_storeu_ps(qs + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), scale));
         }
-    }
-    for (int64_t pos = start; pos < end;) {
-        const int64_t off = pos % bs;
-        const int64_t n = std::min<int64_t>({bs - off, end - pos, CHUNK});
-        const int64_t n16 = (n + 15) / 16;
-        const int64_t slot = (int64_t)table[pos / bs] * bs + off;
-        NextRunPrefetch prefetch(a, table, pos, n, end, kc, vc, H * ((n + 7) / 8));
-        for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
-            const KV* kh = kc + slot * stride + kvh * D;
-            for (int64_t g = kvh * G; g < kvh * G + G; g++) {
-                const float* qg = qs + g * D;
-                for (int64_t t0 = 0; t0 < n; t0 += 8) {
-                    const KV* rows8[8];
-                    for (int j = 0; j < 8; j++) rows8[j] = kh + std::min<int64_t>(t0 + j, n - 1) * stride;
-                    __m512 d[8];
-                    for (int j = 0; j < 8; j++) d[j] = _mm512_mul_ps(_mm512_load_ps(qg), load16(rows8[j]));
-                    for (int64_t v = 1; v < V; v++) {
-                        const __m512 qv = _mm512_load_ps(qg + 16 * v);
-                        for (int j = 0; j < 8; j++) d[j] = _mm512_fmadd_ps(qv, load16(rows8[j] + 16 * v), d[j]);
-                    }
-                    __m256 h[8];
-                    for (int j = 0; j < 8; j++) h[j] = fold16(d[j]);
-                    __m256 sums = hsum8x8(h);
-                    store_scores8(&s[g][t0], sums, n - t0);
-                    prefetch.k_step();
-                }
-                // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the run's scores, -inf
-                for (int64_t t = (n + 7) / 8 * 8; t < n16 * 16; t++) s[g][t] = -std::numeric_limits<float>::infinity();
-            }
-        }
-        for (int64_t g = 0; g < H; g++) {
-            __m512 mx16 = _mm512_set1_ps(m[g]);
-            for (int64_t c = 0; c < n16; c++) mx16 = _mm512_max_ps(mx16, _mm512_load_ps(&s[g][16 * c]));
-            const float mx = _mm512_reduce_max_ps(mx16);
-            const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
-            const __m512 mxv = _mm512_set1_ps(mx);
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t c = 0; c < n16; c++) {
-                const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(&s[g][16 * c]), mxv));
-                _mm512_store_ps(&s[g][16 * c], p);
-                sum = _mm512_add_ps(sum, p);
-            }
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
-            m[g] = mx;
-            const __m512 cv = _mm512_set1_ps(corr);
-            float* ag = acc + g * D;
-            const KV* vh = vc + slot * stride + (g / G) * D;
-            int64_t v0 = 0;
-            for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, 8>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
-            for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, 4>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
-            for (; v0 < V; v0++) accumulate_v16<KV, 1>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
-            prefetch.v_step();
-        }
-        pos += n;
     }
 }
 
-using ItemFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*, float*);
+template <typename KV>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void chunk_avx512(
+        const Args& a, const float* qs, float* acc, float* m, float* l, int64_t slot, int64_t n,
+        NextRunPrefetch& prefetch) {
+    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, V = D / 16;
+    const int64_t stride = a.num_kv_heads * D;
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    alignas(64) float s[MAX_HEADS][CHUNK];
+    const int64_t n16 = (n + 15) / 16;
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
+        const KV* kh = kc + slot * stride + kvh * D;
+        for (int64_t g = kvh * G; g < kvh * G + G; g++) {
+            const float* qg = qs + g * D;
+            for (int64_t t0 = 0; t0 < n; t0 += 8) {
+                const KV* rows8[8];
+                for (int j = 0; j < 8; j++) rows8[j] = kh + std::min<int64_t>(t0 + j, n - 1) * stride;
+                __m512 d[8];
+                for (int j = 0; j < 8; j++) d[j] = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(rows8[j]));
+                for (int64_t v = 1; v < V; v++) {
+                    const __m512 qv = _mm512_loadu_ps(qg + 16 * v);
+                    for (int j = 0; j < 8; j++) d[j] = _mm512_fmadd_ps(qv, load16(rows8[j] + 16 * v), d[j]);
+                }
+                __m256 h[8];
+                for (int j = 0; j < 8; j++) h[j] = fold16(d[j]);
+                __m256 sums = hsum8x8(h);
+                store_scores8(&s[g][t0], sums, n - t0);
+                prefetch.k_step();
+            }
+            // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the run's scores, -inf
+            for (int64_t t = (n + 7) / 8 * 8; t < n16 * 16; t++) s[g][t] = -std::numeric_limits<float>::infinity();
+        }
+    }
+    for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
+    for (int64_t g = 0; g < H; g++) {
+        __m512 mx16 = _mm512_set1_ps(m[g]);
+        for (int64_t c = 0; c < n16; c++) mx16 = _mm512_max_ps(mx16, _mm512_load_ps(&s[g][16 * c]));
+        const float mx = _mm512_reduce_max_ps(mx16);
+        const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
+        const __m512 mxv = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < n16; c++) {
+            const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(&s[g][16 * c]), mxv));
+            _mm512_store_ps(&s[g][16 * c], p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
+        m[g] = mx;
+        const __m512 cv = _mm512_set1_ps(corr);
+        float* ag = acc + g * D;
+        const KV* vh = vc + slot * stride + (g / G) * D;
+        int64_t v0 = 0;
+        for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, 8>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
+        for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, 4>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
+        for (; v0 < V; v0++) accumulate_v16<KV, 1>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
+        prefetch.v_step();
+    }
+}
+
+// ---------------------------------------------------------------- rows in tiles
+
+constexpr int TILE = 8;  // prompt rows that walk their context together
+
+// One work item: rows row0 .. row0 + nrows - 1 (a tile: consecutive positions of one sequence, so
+// the same block table; or a single row) over their positions [start_r, end_r) of one part. The
+// rows advance run by run in step, so each run's K/V, read from memory for the first row, is in
+// cache for the others; every row gets exactly the runs and calls it would get alone.
+template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
+          void (*Chunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&)>
+void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start, const int64_t* end,
+               float* const* state) {
+    const int64_t D = a.head_dim, H = a.num_heads, bs = a.block_size;
+    const int32_t* table = a.block_tables + row0 * a.max_blocks;
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    thread_local std::vector<float> qs_buf;
+    if ((int64_t)qs_buf.size() < nrows * H * D) qs_buf.resize(nrows * H * D);
+    int64_t pos[TILE];
+    for (int64_t r = 0; r < nrows; r++) {
+        float* acc = state[r];
+        Prep(a, row0 + r, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H);
+        pos[r] = start[r];
+    }
+    for (bool active = true; active;) {
+        active = false;
+        for (int64_t r = 0; r < nrows; r++) {
+            if (pos[r] >= end[r]) continue;
+            active = true;
+            const int64_t off = pos[r] % bs;
+            const int64_t n = std::min<int64_t>({bs - off, end[r] - pos[r], CHUNK});
+            const int64_t slot = (int64_t)table[pos[r] / bs] * bs + off;
+            float* acc = state[r];
+            if (r == 0) {
+                NextRunPrefetch prefetch(a, table, pos[r], n, end[r], kc, vc, H * ((n + 7) / 8));
+                Chunk(a, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, slot, n, prefetch);
+            } else {
+                NextRunPrefetch none;
+                Chunk(a, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, slot, n, none);
+            }
+            pos[r] += n;
+        }
+    }
+}
+
+using ItemFn = void (*)(const Args&, int64_t, int64_t, const int64_t*, const int64_t*, float* const*);
 
 // -1: the best the CPU has; else at most 0 portable, 2 avx2, 3 avx512 (tests pin a path)
 int forced_isa = -1;
@@ -436,10 +489,23 @@ int attention_isa() {
     return forced_isa >= 0 ? std::min(forced_isa, detected) : detected;
 }
 
-ItemFn pick(bool bf16, int64_t head_dim) {
-    if (attention_isa() >= 3 && head_dim % 16 == 0) return bf16 ? item_avx512<uint16_t> : item_avx512<float>;
-    if (attention_isa() >= 2 && head_dim % 8 == 0) return bf16 ? item_avx2<uint16_t> : item_avx2<float>;
-    return bf16 ? item_portable<uint16_t> : item_portable<float>;
+template <typename KV>
+ItemFn pick_kv(int64_t head_dim) {
+    if (attention_isa() >= 3 && head_dim % 16 == 0) return tile_item<KV, prep_avx512, chunk_avx512<KV>>;
+    if (attention_isa() >= 2 && head_dim % 8 == 0) return tile_item<KV, prep_avx2, chunk_avx2<KV>>;
+    return tile_item<KV, prep_portable, chunk_portable<KV>>;
+}
+
+ItemFn pick(bool bf16, int64_t head_dim) { return bf16 ? pick_kv<uint16_t>(head_dim) : pick_kv<float>(head_dim); }
+
+// Rows r and r - 1 are one sequence's consecutive prompt positions (the same table, one position
+// apart): they can share a tile.
+bool continues(const Args& a, int64_t r) {
+    const int32_t* lens = a.context_lens;
+    if (lens[r] != lens[r - 1] + 1) return false;
+    const int64_t blocks = std::min<int64_t>((lens[r] + a.block_size - 1) / a.block_size, a.max_blocks);
+    return std::memcmp(a.block_tables + r * a.max_blocks, a.block_tables + (r - 1) * a.max_blocks,
+                       blocks * sizeof(int32_t)) == 0;
 }
 
 }  // namespace
@@ -449,46 +515,66 @@ extern "C" {
 // Returns 0, or a nonzero code for shapes the kernel does not take (the caller then uses the
 // torch path): 1 head_dim > 256, 2 more than 128 query heads, 3 heads not a multiple of kv heads.
 // window > 0: each row attends to its last `window` positions only (sliding-window attention).
+// softcap > 0: scores are soft-capped, softcap * tanh(score / softcap) (Gemma 2), before the softmax.
 // part_tokens (<= 0: whole rows) must not depend on the batch: a row's result then depends on
 // its own data only, whatever else is in the batch (greedy batch invariance).
 int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
                                  const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t part_tokens, int64_t window,
-                                 float* out) {
+                                 float softcap, float* out) {
     if (head_dim > MAX_DIM) return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 3;
     if (num_heads > MAX_HEADS) return 2;
     const int64_t H = num_heads, D = head_dim;
     const Args a{q, k_cache, v_cache, block_tables, context_lens, max_blocks, num_heads, num_kv_heads,
-                 head_dim, block_size, scale};
+                 head_dim, block_size, scale, softcap};
     int64_t longest = 1;
     for (int64_t r = 0; r < rows; r++) longest = std::max<int64_t>(longest, context_lens[r]);
     if (part_tokens <= 0) part_tokens = longest;
     const int64_t parts = (longest + part_tokens - 1) / part_tokens;
-    const int64_t items = rows * parts;  // item i: row i / parts, positions of part i % parts
-    const int64_t per_item = H * (D + 2);  // acc [H, D], m [H], l [H]
+    const int64_t per_item = H * (D + 2);  // per row and part: acc [H, D], m [H], l [H]
+    // tiles: runs of up to TILE rows that continue one another (a prompt chunk's rows); a decode
+    // row is a tile of its own
+    thread_local std::vector<int64_t> tiles;
+    tiles.clear();
+    for (int64_t r = 0; r < rows; r++)
+        if (r == 0 || r - tiles.back() >= TILE || !continues(a, r)) tiles.push_back(r);
+    tiles.push_back(rows);
+    const int64_t num_tiles = (int64_t)tiles.size() - 1;
+    const int64_t* tile_at = tiles.data();  // (thread_local: the workers read the caller's)
+    const int64_t items = num_tiles * parts;  // item i: tile i / parts, positions of part i % parts
     thread_local std::vector<float> scratch;
-    if ((int64_t)scratch.size() < items * per_item) scratch.resize(items * per_item);
+    if ((int64_t)scratch.size() < rows * parts * per_item) scratch.resize(rows * parts * per_item);
     float* state = scratch.data();
     const ItemFn fn = pick(kv_bf16 != 0, head_dim);
 
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
     for (int64_t i = 0; i < items; i++) {
-        const int64_t row = i / parts;
-        // a sliding window (> 0) sees only the row's last `window` positions: earlier parts are
-        // empty and earlier blocks are never read (they may be freed, padded with block 0)
-        const int64_t first = window > 0 ? std::max<int64_t>(0, context_lens[row] - window) : 0;
-        const int64_t start = std::max<int64_t>((i % parts) * part_tokens, first);
-        const int64_t end = std::min<int64_t>((i % parts) * part_tokens + part_tokens, context_lens[row]);
-        float* acc = state + i * per_item;
-        float* m = acc + H * D;
-        float* l = m + H;
-        if (start >= end) {
-            for (int64_t h = 0; h < H; h++) { m[h] = -std::numeric_limits<float>::infinity(); l[h] = 0.f; }
-            continue;
+        const int64_t row0 = tile_at[i / parts], nrows = tile_at[i / parts + 1] - row0, part = i % parts;
+        int64_t start[TILE], end[TILE];
+        float* states[TILE];
+        int64_t first_live = nrows, live = 0;
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t row = row0 + r;
+            // a sliding window (> 0) sees only the row's last `window` positions: earlier parts are
+            // empty and earlier blocks are never read (they may be freed, padded with block 0)
+            const int64_t first = window > 0 ? std::max<int64_t>(0, context_lens[row] - window) : 0;
+            start[r] = std::max<int64_t>(part * part_tokens, first);
+            end[r] = std::min<int64_t>(part * part_tokens + part_tokens, context_lens[row]);
+            states[r] = state + (row * parts + part) * per_item;
+            if (start[r] >= end[r]) {  // an empty part: weight 0 in the merge
+                float* m = states[r] + H * D;
+                for (int64_t h = 0; h < H; h++) { m[h] = -std::numeric_limits<float>::infinity(); m[H + h] = 0.f; }
+                start[r] = end[r] = 0;
+            } else {
+                first_live = std::min(first_live, r);
+                live = r + 1;
+            }
         }
-        fn(a, row, start, end, acc, m, l);
+        // rows with nothing in this part (before a part's start, or a window's) are left out
+        if (live > first_live)
+            fn(a, row0 + first_live, live - first_live, start + first_live, end + first_live, states + first_live);
     }
 
     // merge the parts of each (row, head): weights exp(m_p - max m) rescale each part's sums
