@@ -20,6 +20,8 @@ SYSTEM = list(range(1000, 1000 + 8 * BLOCK))  # an 8-block shared prefix
 
 def test_shared_prefix_sticks_to_the_replica_that_served_it():
     policy = PrefixAffinity(rng=random.Random(0))
+    other = hashes([5] * 3 * BLOCK)  # other traffic: the system prompt is not what every request shares
+    policy.record(other, policy.choose(other, {"a": 0, "b": 0}).replica)
     first = policy.choose(hashes(SYSTEM + [1, 2, 3]), {"a": 0, "b": 0})
     assert first.reason == "load"
     policy.record(hashes(SYSTEM + [1, 2, 3]), first.replica)
@@ -28,6 +30,29 @@ def test_shared_prefix_sticks_to_the_replica_that_served_it():
         decision = policy.choose(hashes(ids), {"a": 0, "b": 0})
         assert decision == Decision(first.replica, "prefix", 8)
         policy.record(hashes(ids), decision.replica)
+        if question % 4 == 0:  # the other traffic goes on
+            policy.record(other, policy.choose(other, {"a": 0, "b": 0}).replica)
+
+
+def test_a_system_prompt_every_request_carries_is_not_affinity():
+    """Issue 37: every chat carried the model's default system prompt, and affinity sent all 7
+    requests (4 at once) to one of two replicas. 8 concurrent chats with that prompt and their own
+    questions spread 4/4; a conversation's next turn (its own blocks past the shared prompt) still
+    goes back to its replica."""
+    policy = PrefixAffinity(rng=random.Random(5))
+    load, placed, chats = {"a": 0, "b": 0}, [], []
+    for k in range(8):
+        ids = SYSTEM + [9000 + k] * 2 * BLOCK
+        decision = policy.choose(hashes(ids), load)
+        assert decision.reason == "load", k
+        policy.record(hashes(ids), decision.replica)
+        load[decision.replica] += 1  # all 8 running at once
+        placed.append(decision.replica)
+        chats.append(ids)
+    assert sorted(placed) == ["a"] * 4 + ["b"] * 4
+    turn_two = chats[5] + [7] * BLOCK
+    assert policy.choose(hashes(turn_two), load) == Decision(placed[5], "prefix", 10)
+    assert policy.shared_depth(hashes(turn_two)) == 8
 
 
 def test_longest_recorded_prefix_wins():
