@@ -162,7 +162,8 @@ def test_cli_plan_with_json_and_plots(tmp_path):
     rec = doc["recommendation"]
     assert rec["block_size"] in (8, 16, 64)
     # the flags printed are the engine simulated, and brisk serve's own parser takes them
-    from brisk.cli import build_parser, engine_configs
+    from brisk.cli import build_parser
+    from brisk.engine.factory import engine_configs
 
     args = build_parser().parse_args(["serve", *rec["brisk_serve_flags"].split()])
     cache, sched = engine_configs(args, args.max_model_len)

@@ -34,13 +34,13 @@ def test_call_in_own_thread_raises_the_calls_exception_in_the_caller():
 
 LOAD_FROM_MAIN_THREAD = r"""
 import os, time, torch
-from brisk.cli import build_engine, build_parser
+from brisk.cli import build_parser
+from brisk.engine.factory import load_async_engine
 from brisk.loading.report import LoadReport
-from brisk.server.serve import load_async_engine
 
 torch.set_num_threads(2)
 args = build_parser().parse_args(["serve", "smollm2-135m-instruct"])
-engine = load_async_engine(args, 2048, None, build_engine, LoadReport())
+engine = load_async_engine(args, 2048, None, LoadReport())
 
 def threads():
     return len(os.listdir("/proc/self/task"))

@@ -360,7 +360,7 @@ def test_unknown_quantization_is_named(brisk_cache):
 
 
 def test_a_model_that_cannot_fit_is_refused_before_conversion(tmp_path, monkeypatch):
-    from brisk.engine import memory
+    from brisk.loading import memory_plan as memory
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("BRISK_CACHE", str(cache))

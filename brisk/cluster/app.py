@@ -84,13 +84,12 @@ def _per_replica(args: argparse.Namespace) -> int:
 def app_builder(config: dict[str, Any]):
     """For `serve run` / `serve deploy`: `args: {flags: "--model /models/m.gguf --replicas 2 ..."}`,
     the flags of `brisk serve` (host and port are the Serve config's http_options)."""
-    from brisk.cli import build_parser
-    from brisk.cluster.settings import from_args
+    from brisk.cluster.settings import from_args, serve_parser
     from brisk.server.preflight import preflight
 
     flags = config.get("flags", "")
     argv = shlex.split(flags) if isinstance(flags, str) else [str(f) for f in flags]
-    args = build_parser().parse_args(["serve", *argv])
+    args = serve_parser().parse_args(argv)
     if args.model_arg is not None:
         args.model = args.model_arg
     if args.replicas is None and args.min_replicas is None and args.max_replicas is None:

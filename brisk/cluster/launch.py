@@ -25,7 +25,6 @@ log = logging.getLogger("brisk.cluster")
 def serve_cluster(args: argparse.Namespace, checked, settings: ClusterSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     ray, serve = require_ray()
-    from brisk.cli import build_engine
     from brisk.cluster.app import APP_NAME, engine_application
     from brisk.cluster.ingress import attach_router_metrics
     from brisk.cluster.remote import RemoteEngine
@@ -60,7 +59,7 @@ def serve_cluster(args: argparse.Namespace, checked, settings: ClusterSettings) 
             log.info("replicas ready after %.1f s (Ray Serve)", time.monotonic() - started)
             return engine
 
-        return serve_http(args, build_engine, checked, remote_engine=connect, on_state=attach_router_metrics)
+        return serve_http(args, checked, remote_engine=connect, on_state=attach_router_metrics)
     finally:
         try:
             serve.shutdown()

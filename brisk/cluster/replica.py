@@ -36,12 +36,11 @@ log = logging.getLogger("brisk.cluster")
 
 class EngineReplica:
     def __init__(self, serve_args: dict[str, Any], max_model_len: int, chat_template: str | None):
-        from brisk.cli import build_engine
-        from brisk.server.serve import load_async_engine
+        from brisk.engine.factory import load_async_engine
 
         args = argparse.Namespace(**serve_args)
         self.report = LoadReport()
-        self.engine = load_async_engine(args, max_model_len, chat_template, build_engine, self.report)
+        self.engine = load_async_engine(args, max_model_len, chat_template, self.report)
         self.block_size = args.block_size
         self.stream_interval = getattr(args, "stream_interval", None) or 1
         self._grammars = None

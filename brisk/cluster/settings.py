@@ -20,6 +20,23 @@ RAY_EXTRA_HINT = "install Ray Serve with: pip install 'brisk-llm[ray]' (the `ray
 ADDRESS_TIMEOUT_S = 5.0
 
 
+def add_serve_arguments(p) -> None:
+    """Every flag of `brisk serve`: its own (brisk.server.args) and the scale-out group. The CLI and
+    `app_builder` (a Serve config's `flags`) parse the same set."""
+    from brisk.server.args import add_serve_arguments as add_server_arguments
+
+    add_server_arguments(p)
+    add_arguments(p.add_argument_group("scale-out (Ray Serve)"))
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from brisk.argtypes import Parser
+
+    p = Parser(prog="brisk serve", allow_abbrev=False)
+    add_serve_arguments(p)
+    return p
+
+
 def add_arguments(p) -> None:
     p.add_argument("--replicas", type=int, default=None,
                    help="serve through Ray Serve with this many engine replicas behind one endpoint "

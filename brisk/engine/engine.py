@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from brisk.config import CacheConfig
 from brisk.engine.kv_cache.manager import KVCacheManager
-from brisk.engine.memory import available_memory
+from brisk.loading.memory_plan import available_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import RequestOutput, find_stop, held_back_length, stop_window
 from brisk.engine.request import Request, RequestStatus

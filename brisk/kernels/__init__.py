@@ -76,7 +76,7 @@ def library() -> ctypes.CDLL | None:
         return None
     candidates = [PACKAGE_LIB]
     try:
-        from brisk.loading.cache_dir import cache_dir
+        from brisk.cache_dir import cache_dir
 
         candidates.append(cache_dir() / "kernels" / f"kernels-{source_tag()}.so")
     except Exception:  # an unusable cache dir is reported by the loader; here it only means no fallback build

@@ -74,12 +74,12 @@ def blocks_of_flags(flags: str, bytes_per_token: int, max_model_len: int) -> int
     import contextlib
     import io
 
-    from brisk.cli import build_parser, engine_configs
+    from brisk.engine.factory import engine_configs, engine_parser
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = build_parser().parse_args(["serve", *flags.split()])
+            args = engine_parser().parse_args(flags.split())
     except SystemExit:
         raise BriskError(f"brisk serve would reject {flags!r}: {err.getvalue().strip().splitlines()[-1]}") from None
     cache, sched = engine_configs(args, args.max_model_len or max_model_len)

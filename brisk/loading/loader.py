@@ -16,7 +16,7 @@ from brisk import kernels
 from brisk.config import QUANTIZATION_CHOICES, ModelConfig
 from brisk.errors import BriskError, ModelLoadError
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
-from brisk.loading.cache_dir import cache_dir
+from brisk.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
 from brisk.models import quant
 from brisk.models.linear import Linear
@@ -155,7 +155,6 @@ def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
 def _check_memory(source: Path, model_dir: Path, quantization: str, max_model_len: int | None,
                   device: torch.device, dtype: torch.dtype) -> None:
     """Refuse a model that cannot fit before reading (or converting) any weight."""
-    from brisk.engine.memory import available_memory
 
     if (model_dir / "config.json").exists():
         cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))
@@ -165,7 +164,7 @@ def _check_memory(source: Path, model_dir: Path, quantization: str, max_model_le
         weights, meta = memory_plan.gguf_weight_bytes(source, quantization)
         per_token = memory_plan.gguf_kv_bytes_per_token(meta, dtype.itemsize)
         window = meta.get(f"{meta.get('general.architecture')}.context_length") or 2048
-    memory_plan.check_fits(weights, per_token, max_model_len or window, available_memory(device), str(source))
+    memory_plan.check_fits(weights, per_token, max_model_len or window, memory_plan.available_memory(device), str(source))
 
 
 def _layer_formats(formats: dict[str, str]) -> dict[str, str]:

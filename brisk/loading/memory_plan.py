@@ -5,6 +5,7 @@ or converted: a model that cannot fit is refused at start with the numbers.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from brisk.errors import BriskError
@@ -71,3 +72,20 @@ def check_fits(weight_bytes: int, kv_bytes_per_token: int, max_model_len: int, a
             f"sequence of KV cache {kv_bytes / 2**30:.2f} GiB, but {available_bytes / 2**30:.2f} GiB of memory is "
             "available; use a smaller --quantization (int8, int4; auto keeps a GGUF quantized), a lower "
             "--max-model-len, or free memory")
+
+
+def available_memory(device) -> int:
+    """Free bytes on the device: CUDA's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

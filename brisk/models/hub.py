@@ -47,7 +47,7 @@ def fetch(name: str) -> tuple[Path, str]:
 
 
 def _hub_cache() -> Path:
-    from brisk.loading.cache_dir import cache_dir
+    from brisk.cache_dir import cache_dir
 
     return cache_dir() / "hub"
 

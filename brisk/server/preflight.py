@@ -77,7 +77,7 @@ def kv_dtype_bytes(args: argparse.Namespace) -> int | None:
 def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_len: int, source: str) -> None:
     """With an explicit --kv-cache-memory: it must hold one max-length sequence (the engine's own
     rule, checked now instead of after the weights have loaded)."""
-    from brisk.cli import engine_configs
+    from brisk.engine.factory import engine_configs
     from brisk.config import ModelConfig
 
     cache, _ = engine_configs(args, max_model_len)  # every engine flag, validated
@@ -145,12 +145,15 @@ def preflight(args: argparse.Namespace, bind_port: bool = True) -> Preflight:
 
     from brisk.config import ModelConfig
 
+    from brisk.engine.factory import check_device
+
+    check_device(args.device)  # --device cuda without a usable GPU: before the model is even resolved
     source = resolve(args.model)  # a missing or unreadable model: ModelLoadError, one line
     config = model_config(source)
     ModelConfig.from_hf_dict(config, str(source.path))  # an architecture brisk cannot run: one line, now
     window, max_model_len = check_window(args, config, str(source.path))
     check_kv_budget(args, config, max_model_len, str(source.path))
-    from brisk.cli import speculative_config
+    from brisk.engine.factory import speculative_config
 
     speculative_config(args)
     template = chat_template(args.chat_template)

@@ -86,36 +86,7 @@ def warn_about_key_flag(args: argparse.Namespace) -> None:
         log.warning("--api-key is visible to every user of this machine (`ps`); set BRISK_API_KEY instead")
 
 
-def load_async_engine(args: argparse.Namespace, max_model_len: int, chat_template: str | None, build_engine,
-                      report: LoadReport, source=None):
-    """Load the model (`source`: the one pre-flight resolved, else `args.model`) and start its engine
-    thread (single-process serve, and each Ray Serve replica).
-
-    The loading runs on a thread that then exits (brisk.engine.omp_teams): the caller's thread may
-    live on (Ray Serve's constructor thread does), and an OpenMP team left on it would make the
-    engine's own team sleep at every barrier."""
-    from brisk.engine.omp_teams import call_in_own_thread
-
-    return call_in_own_thread(_load_async_engine, args, max_model_len, chat_template, build_engine, report, source)
-
-
-def _load_async_engine(args: argparse.Namespace, max_model_len: int, chat_template: str | None, build_engine,
-                       report: LoadReport, source=None):
-    with report.phase("imports"):
-        from brisk.engine.async_engine import AsyncLLMEngine
-        from brisk.loading.loader import load
-    loaded = load(source or args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
-                  quantization=args.quantization, report=report)
-    if chat_template is not None:
-        loaded.tokenizer.set_chat_template(chat_template)
-    with report.phase("engine"):
-        engine = AsyncLLMEngine(build_engine(args, loaded))
-    for line in report.lines():
-        log.info("%s", line)
-    return engine
-
-
-def serve(args: argparse.Namespace, build_engine, checked, remote_engine=None, on_state=None) -> int:
+def serve(args: argparse.Namespace, checked, remote_engine=None, on_state=None) -> int:
     """Serve with the socket and model that `preflight` checked (`checked`). `remote_engine`
     (report -> engine) replaces loading the model here (brisk.cluster: the engines are Ray Serve
     replicas); `on_state` sees the ServerState before the socket answers."""
@@ -128,7 +99,9 @@ def serve(args: argparse.Namespace, build_engine, checked, remote_engine=None, o
         if remote_engine is not None:
             engine = remote_engine(report)
         else:
-            engine = load_async_engine(args, checked.max_model_len, checked.chat_template, build_engine, report,
+            from brisk.engine.factory import load_async_engine
+
+            engine = load_async_engine(args, checked.max_model_len, checked.chat_template, report,
                                        source=checked.source)
         log.info("ready: http://%s:%d/v1 serves %s", args.host, args.port, config.served_model_name)
         return engine
