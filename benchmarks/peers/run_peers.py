@@ -82,7 +82,7 @@ def write_hf_dir(gguf_path: Path, out: Path) -> Path:
     from safetensors.numpy import load_file, save_file
 
     from brisk.loading import gguf_convert
-    from brisk.loading.cache_dir import cache_dir
+    from brisk.cache_dir import cache_dir
 
     src = gguf_convert.converted_dir(cache_dir(), gguf_path, "none")  # float32 tensors
     if not (src / "config.json").exists():
