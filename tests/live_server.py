@@ -54,6 +54,23 @@ class LiveServer:
         loop = self.state.loop
         return asyncio.run_coroutine_threadsafe(self.state.engine.stats(), loop).result(timeout=30)
 
+    def post_and_disconnect(self, path: str, body: dict, timeout_s: float = 30.0) -> None:
+        """POST `body` on a raw connection and close it once the engine runs the request: a client
+        that gives up mid-request, made by an event rather than a client timeout racing the reply."""
+        import json
+        import socket
+
+        host, port = self.url[7:].split(":")
+        data = json.dumps(body).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            deadline = time.monotonic() + timeout_s
+            while self.engine_stats().num_running == 0:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the request did not start within {timeout_s} s")
+                time.sleep(0.02)
+
     def wait_idle(self, timeout_s: float = 30.0):
         """Bounded wait until no request runs or waits; returns the stats."""
         deadline = time.monotonic() + timeout_s

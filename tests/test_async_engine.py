@@ -10,7 +10,7 @@ from brisk.engine.async_engine import AsyncLLMEngine
 from brisk.engine.engine import RequestError
 from brisk.engine.sampling_params import SamplingParams
 
-from test_engine_batching import make_engine
+from engines import make_engine
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from brisk.structured.sandbox import CompileSandbox, SandboxError
 from brisk.structured.spec import GrammarSpec, json_spec
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 MESSAGES = [{"role": "user", "content": "Give me a value."}]
 

@@ -15,7 +15,7 @@ from brisk.bench.workloads import arrival_offsets, parse_length_dist, replay, Pr
 from brisk.errors import BriskError
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 
 def records():

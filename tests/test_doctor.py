@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 FAKES = Path(__file__).resolve().parent / "doctor_fakes.py"
 

@@ -14,13 +14,12 @@ import math
 
 import pytest
 
-from brisk.config import CacheConfig
-from brisk.engine.engine import LLMEngine, RequestError
+from brisk.engine.engine import RequestError
 from brisk.engine.sampling_params import SamplingParams, SamplingParamsError
-from brisk.engine.scheduler import SchedulerConfig
 from brisk.errors import BriskError
 from brisk.generate import generate_ids
 
+from engines import make_engine
 from test_demo_reference import PROMPTS
 
 TOPICS = ["rivers", "volcanoes", "bread", "chess", "the moon", "bees", "trains", "jazz", "glaciers", "tea",
@@ -36,14 +35,6 @@ def prompts64(demo):
     assert len(texts) == 62
     texts += ["A" * 300, "你好" * 120]  # two longer prompts (multi-block, chunked prefill)
     return [demo.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-
-
-def make_engine(demo, num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, prefix=True, block_size=16,
-                batch_invariant=None):
-    return LLMEngine(demo, CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks or 2048,
-                                       enable_prefix_caching=prefix),
-                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=1024), batch_invariant=batch_invariant)
 
 
 def run(engine, prompts, params, wave=None):
@@ -291,6 +282,10 @@ def test_delta_outputs_cost_o_of_l_and_carry_the_same_result(demo, prompts64):
     assert [t for o in delta for t in o.delta_token_ids] == delta[-1].token_ids == cumulative[-1].token_ids
     assert [lp for o in delta for lp in o.delta_logprobs] == delta[-1].logprobs == cumulative[-1].logprobs
     assert "".join(o.delta_text for o in delta) == delta[-1].text == cumulative[-1].text
+    assert all(o.text == "" for o in delta[:-1])  # the cumulative text rides on the final output only
+    # where each delta starts, as the cumulative outputs count it (streamed logprobs' text_offset)
+    assert [o.text_offset for o in delta] == [len(c.text) - len(c.delta_text) for c in cumulative]
+    assert [o.text_offset for o in delta] == [o.text_offset for o in cumulative]
     assert [o.num_output_tokens for o in delta] == list(range(1, length + 1))
     assert delta[-1].metrics.keys() == cumulative[-1].metrics.keys()
 

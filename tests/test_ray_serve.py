@@ -166,6 +166,36 @@ def test_openai_sdk_greedy_results_equal_single_process_brisk(cluster, reference
     assert response.status_code == 400 and "max_tokens" in response.text
 
 
+def _streamed_logprobs(url: str, **body) -> tuple[str, list, list]:
+    text, tokens, offsets = "", [], []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["text"]
+                if choice.get("logprobs"):
+                    tokens += choice["logprobs"]["tokens"]
+                    offsets += choice["logprobs"]["text_offset"]
+    return text, tokens, offsets
+
+
+def test_streamed_completion_logprobs_offsets_equal_one_process(cluster, reference):
+    """Issue 36: replicas sent non-final outputs without their cumulative text, and the streamed
+    text_offset was computed from it. Through --replicas the offsets equal one process's, and each
+    token's offset points at that token in the streamed text (with and without echo)."""
+    url, _ = cluster
+    for echo in (False, True):
+        body = dict(prompt="Counting slowly: one, two,", max_tokens=12, temperature=0, logprobs=1, echo=echo)
+        remote = _streamed_logprobs(url, **body)
+        assert remote == _streamed_logprobs(reference.url, **body)
+        text, tokens, offsets = remote
+        generated = [(t, o) for t, o in zip(tokens, offsets)]
+        assert len(generated) == 12 and all(text[o:o + len(t)] == t for t, o in generated), generated
+        assert offsets == sorted(offsets) and (offsets[0] > 0) == echo
+
+
 def test_shared_prefix_stays_on_one_replica_and_distinct_prefixes_spread(cluster):
     url, _ = cluster
     client = _client(url)

@@ -11,7 +11,7 @@ from brisk.server.reasoning import ReasoningSplitter
 
 from live_server import serve_engine
 from llamacpp import llamacpp_dir
-from test_engine_batching import make_engine
+from engines import make_engine
 
 MODEL = "smollm2-135m-instruct"
 

@@ -16,7 +16,7 @@ from brisk.errors import BriskError
 from brisk.server.preflight import chat_template
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 
 def serve_fails(*argv: str, cwd=None, env=None) -> tuple[str, float, str]:

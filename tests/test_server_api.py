@@ -7,7 +7,7 @@ import pytest
 from brisk.engine.sampling_params import SamplingParams
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers in Europe."}]

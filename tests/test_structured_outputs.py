@@ -20,7 +20,7 @@ from brisk.structured.spec import GrammarSpec, choice_spec, json_spec
 
 from live_server import serve_engine
 from structured_schemas import SCHEMAS
-from test_engine_batching import make_engine
+from engines import make_engine
 
 MODEL = "smollm2-135m-instruct"
 FREE = [[{"role": "user", "content": q}] for q in ("Name three rivers in Europe.", "What is 2+2?",

@@ -14,7 +14,7 @@ from brisk.server.preflight import chat_template
 from brisk.structured.tools import ToolCallParser, ToolPlan, parse
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "function", "function": {

@@ -9,7 +9,7 @@ import pytest
 from brisk.top import Scrape, histogram_quantile, summarize
 
 from live_server import serve_engine
-from test_engine_batching import make_engine
+from engines import make_engine
 
 
 def test_histogram_quantile_interpolates_like_prometheus():

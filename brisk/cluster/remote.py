@@ -18,13 +18,14 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 from ray.exceptions import RayActorError
 
+from brisk.engine.client import ModelInfo
 from brisk.engine.errors import EngineDeadError
 from brisk.engine.kv_cache.hashing import hash_full_blocks
+from brisk.engine.stats import EngineStats
 from brisk.engine.stream import RequestStream
 from brisk.server.errors import APIError
 
@@ -68,11 +69,10 @@ class RemoteEngine:
         config = dict(info["tokenizer_config"])
         if info["chat_template"] is not None:
             config["chat_template"] = info["chat_template"]
-        tokenizer = Tokenizer(FastTokenizer.from_str(info["tokenizer_json"]), config, tuple(info["eos_token_ids"]))
-        report = SimpleNamespace(phases_ms=info["load_phases_ms"], total_ms=info["load_total_ms"])
-        # what brisk.server.state reads of a loaded model
-        self.loaded = SimpleNamespace(tokenizer=tokenizer, dtype=info["dtype"], device=info["device"],
-                                      report=report, config=SimpleNamespace(vocab_size=info["vocab_size"]))
+        self._tokenizer = Tokenizer(FastTokenizer.from_str(info["tokenizer_json"]), config,
+                                    tuple(info["eos_token_ids"]))
+        self.model_info = ModelInfo(info["dtype"], info["device"], dict(info["load_phases_ms"]),
+                                    info["load_total_ms"])
         self._tasks: dict[str, tuple[asyncio.Task, Any]] = {}
         self._open: dict[str, tuple[asyncio.Queue, Any]] = {}  # request id -> its HTTP sink, until it ends
         self._stopped = False
@@ -94,7 +94,7 @@ class RemoteEngine:
 
     @property
     def tokenizer(self):
-        return self.loaded.tokenizer
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -221,7 +221,11 @@ class RemoteEngine:
             self.fail(request_id, error)
 
     # -- observability ------------------------------------------------------------------------
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
+        """Every answering replica's stats, combined."""
+        return EngineStats.combine(list((await self.stats_by_replica()).values()))
+
+    async def stats_by_replica(self) -> dict[str, EngineStats]:
         """{replica id: EngineStats} of every running replica that answers within STATS_TIMEOUT_S."""
         from brisk.cluster.registry import replica_ids
 

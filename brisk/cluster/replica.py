@@ -60,7 +60,7 @@ class EngineReplica:
     def info(self) -> dict[str, Any]:
         engine = self.engine
         tok = engine.tokenizer
-        loaded = engine.loaded
+        model = engine.model_info
         return {
             "replica": self.replica_id,
             "vocab_size": engine.vocab_size,
@@ -68,14 +68,14 @@ class EngineReplica:
             "max_num_seqs": engine.max_num_seqs,
             "block_size": self.block_size,
             "torch_threads": self.torch_threads,
-            "dtype": str(loaded.dtype).split(".")[-1],
-            "device": str(loaded.device),
+            "dtype": model.dtype,
+            "device": model.device,
             "tokenizer_json": tok.fast.to_str(),
             "tokenizer_config": {k: v for k, v in tok.config.items() if k != "chat_template"},
             "chat_template": tok.chat_template_source,
             "eos_token_ids": list(tok.eos_token_ids),
-            "load_phases_ms": dict(loaded.report.phases_ms),
-            "load_total_ms": loaded.report.total_ms,
+            "load_phases_ms": model.load_phases_ms,
+            "load_total_ms": model.load_total_ms,
         }
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, priority: int = 0,
@@ -169,9 +169,9 @@ class _OutputBatcher:
     and the last output at once) and hands each group to `emit`, or ("dead", message) when the
     engine loop stopped; `done` resolves then, or fails with the channel's ConnectionError.
 
-    Outputs before the last one go without their cumulative `text` (the HTTP side streams
-    `delta_text` and reads `text` from the final output only): in one process it is a reference,
-    but pickled it would make every step cost O(output so far)."""
+    The server asks for "delta" outputs, which carry their cumulative `text` on the last one only
+    (pickled, it would make every step cost O(output so far)); `text_offset` says where each
+    delta starts."""
 
     def __init__(self, interval: int, emit):
         self.interval, self.emit = interval, emit
@@ -201,8 +201,5 @@ class _OutputBatcher:
     def _flush(self) -> None:
         if not self.pending:
             return
-        for out in self.pending:
-            if not out.finished:
-                out.text = ""
         group, self.pending, self.held_tokens, self.sent_first = self.pending, [], 0, True
         self.emit(group)

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
+from brisk.engine.client import ModelInfo
 from brisk.engine.engine import LLMEngine
 from brisk.engine.errors import EngineDeadError
 from brisk.engine.outputs import RequestOutput
@@ -54,11 +55,12 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return not self._stopped and self.error is None
 
-    # -- what a server needs to know of the engine (read-only, fixed after start) ----------------
+    # -- what a server needs to know of the engine (brisk.engine.client.EngineClient) -------------
     @property
-    def loaded(self):
-        """The loaded model (config, dtype, device, load report)."""
-        return self.engine.loaded
+    def model_info(self) -> ModelInfo:
+        loaded = self.engine.loaded
+        return ModelInfo(str(loaded.dtype).split(".")[-1], str(loaded.device), dict(loaded.report.phases_ms),
+                         loaded.report.total_ms)
 
     @property
     def tokenizer(self):
@@ -118,6 +120,9 @@ class AsyncLLMEngine:
     async def stats(self) -> EngineStats:
         """A consistent snapshot, taken on the engine thread between steps."""
         return await self._call("stats", None, None)
+
+    async def stats_by_replica(self) -> None:
+        return None  # one engine, in this process
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -291,12 +291,12 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids if whole or first else [],
-            text=request.output_text, token_ids=request.output_tokens_from(0) if whole else [],
+            text=request.output_text if whole else "", token_ids=request.output_tokens_from(0) if whole else [],
             delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             metrics=self._metrics(request) if whole else {}, num_output_tokens=request.num_output_tokens,
-            delta_logprobs=delta_logprobs,
+            delta_logprobs=delta_logprobs, text_offset=len(request.output_text) - len(delta_text),
         )
 
     @staticmethod

@@ -15,7 +15,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]  # on the request's first output and on (*) outputs; empty between
-    text: str  # all text released so far (a reference to an immutable string: no copy)
+    text: str  # (*) all text released so far (a reference to an immutable string: no copy)
     token_ids: list[int]  # (*) all output tokens
     delta_text: str  # text released by this step
     delta_token_ids: list[int]
@@ -30,6 +30,7 @@ class RequestOutput:
     # time.monotonic() when the engine thread handed the step's outputs to the event loop (0: not
     # known, e.g. made in another process); the server measures its delivery delay from it
     produced_at: float = 0.0
+    text_offset: int = 0  # characters of text released before delta_text (always filled)
 
 
 def stop_window(stops: list[str]) -> int:

@@ -9,7 +9,14 @@ from brisk.engine.factory import add_engine_args, add_model_args
 
 
 def add_serve_arguments(p) -> None:
-    model = p.add_argument_group("model")
+    _model_arguments(p.add_argument_group("model"))
+    add_engine_args(p.add_argument_group("KV cache and scheduler"))
+    _http_arguments(p.add_argument_group("HTTP server"))
+    _limit_arguments(p.add_argument_group("security and limits"))
+    _log_arguments(p.add_argument_group("logging and observability"))
+
+
+def _model_arguments(model) -> None:
     model.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                        help="model directory, .gguf file, or catalog name (default: smollm2-135m-instruct)")
     add_model_args(model)
@@ -24,8 +31,9 @@ def add_serve_arguments(p) -> None:
     model.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "json", "mistral"],
                        help="how tool calls are written: auto (from the chat template, default), hermes "
                             "(<tool_call>, Qwen/Hermes), json (Llama 3.x), mistral ([TOOL_CALLS])")
-    add_engine_args(p.add_argument_group("KV cache and scheduler"))
-    http = p.add_argument_group("HTTP server")
+
+
+def _http_arguments(http) -> None:
     http.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     http.add_argument("--port", type=argtypes.port, default=8000, help="TCP port, 1-65535 (default 8000)")
     http.add_argument("--context-policy", default="reject", choices=["reject", "truncate-oldest", "clamp-max-tokens"],
@@ -41,7 +49,9 @@ def add_serve_arguments(p) -> None:
     http.add_argument("--allow-priority", action="store_true",
                       help="honour the request field `priority` (lower first); off by default, since any "
                            "client could then jump the queue")
-    limits = p.add_argument_group("security and limits")
+
+
+def _limit_arguments(limits) -> None:
     limits.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health and /ready; prefer "
                              "the environment variable BRISK_API_KEY (a flag is visible to every user in `ps`)")
@@ -68,7 +78,9 @@ def add_serve_arguments(p) -> None:
                         help="seconds an idle keep-alive connection stays open (default 5)")
     limits.add_argument("--max-connections", type=argtypes.positive, default=1000,
                         help="open connections at most; a new one past it gets 503 and is closed (default 1000)")
-    logs = p.add_argument_group("logging and observability")
+
+
+def _log_arguments(logs) -> None:
     logs.add_argument("--uvicorn-log-level", default="warning",
                       choices=["critical", "error", "warning", "info", "debug", "trace"],
                       help="uvicorn's own log level (default warning)")

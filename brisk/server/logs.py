@@ -54,12 +54,7 @@ class EngineStatsLogger:
                 f"prefix-cache hits {hit_rate}, preemptions {now.num_preemptions - prev.num_preemptions}")
 
     async def _stats(self):
-        from brisk.engine.stats import EngineStats
-
-        stats = await self.engine.stats()
-        if isinstance(stats, dict):  # {replica: stats} behind Ray Serve: one line for the deployment
-            stats = EngineStats.combine(list(stats.values()))
-        return stats
+        return await self.engine.stats()  # behind Ray Serve: every replica's, combined (one line)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

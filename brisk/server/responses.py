@@ -19,8 +19,8 @@ def usage_block(finals: dict[int, RequestOutput], guards: list[GuardResult], job
     prompt_tokens = sum(g.prompt_tokens for g in guards)
     completion_tokens = sum(len(o.token_ids) for o in finals.values())
     first_choice_of_prompt = {}
-    for index, p_index, *_ in jobs:
-        first_choice_of_prompt.setdefault(p_index, index)
+    for job in jobs:
+        first_choice_of_prompt.setdefault(job.prompt_index, job.index)
     cached = sum(finals[i].num_cached_prompt_tokens for i in first_choice_of_prompt.values() if i in finals)
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                              "total_tokens": prompt_tokens + completion_tokens,
@@ -154,10 +154,10 @@ class ChatFormatter(Formatter):
 
     def first_chunks(self, jobs, guards):
         chunks = []
-        for index, p_index, *_ in jobs:
-            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        for job in jobs:
+            choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}
-            chunks.append(self._envelope(self.object_chunk, [choice], brisk=guards[p_index].report()))
+            chunks.append(self._envelope(self.object_chunk, [choice], brisk=guards[job.prompt_index].report()))
         return chunks
 
     def observe(self, index, out):
@@ -181,7 +181,8 @@ class ChatFormatter(Formatter):
 
     def full_response(self, finals, jobs, guards, usage):
         choices = []
-        for index, *_ in jobs:
+        for job in jobs:
+            index = job.index
             out, reply = finals[index], self._reply(index)
             message: dict[str, Any] = {"role": "assistant", "content": reply.content or None, "refusal": None}
             if self.reasoning_parser:
@@ -203,6 +204,7 @@ class CompletionFormatter(Formatter):
     def __init__(self, response_id: str, state, want_logprobs: bool, echo: bool):
         super().__init__(response_id, state, want_logprobs)
         self.echo = echo
+        self._echo_chars: dict[int, int] = {}  # choice -> characters of its echoed prompt
 
     def _logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -223,20 +225,24 @@ class CompletionFormatter(Formatter):
     def first_chunks(self, jobs, guards):
         """One empty chunk per choice carrying its prompt's context-guard report (as chat's first
         chunk does), so a clamped prompt of a multi-prompt stream is reported, not silent."""
-        return [self._envelope(self.object_chunk, [{"index": index, "text": "", "logprobs": None,
-                                                    "finish_reason": None}], brisk=guards[p_index].report())
-                for index, p_index, *_ in jobs]
+        return [self._envelope(self.object_chunk, [{"index": job.index, "text": "", "logprobs": None,
+                                                    "finish_reason": None}], brisk=guards[job.prompt_index].report())
+                for job in jobs]
 
     def chunks(self, index, out, body):
         first = out.num_output_tokens == len(out.delta_token_ids)
-        text = (self._echo_text(out) if first else "") + out.delta_text
-        offset = len(out.text) - len(out.delta_text)
+        echo = self._echo_text(out) if first else ""
+        if first:
+            self._echo_chars[index] = len(echo)
+        text = echo + out.delta_text
+        offset = self._echo_chars.get(index, 0) + out.text_offset  # as the whole reply counts it
         return self._stream_chunk(index, out, body, bool(text), lambda: {
             "text": text, "logprobs": self._logprobs(_delta_logprobs(out), offset)})
 
     def full_response(self, finals, jobs, guards, usage):
         choices = []
-        for index, *_ in jobs:
+        for job in jobs:
+            index = job.index
             out = finals[index]
             echo = self._echo_text(out)
             choices.append({"index": index, "text": echo + out.text,

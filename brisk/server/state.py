@@ -21,7 +21,7 @@ from brisk.server.protocol import MAX_CHOICES
 from brisk.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
-    from brisk.engine.async_engine import AsyncLLMEngine
+    from brisk.engine.client import EngineClient
     from brisk.metrics.tracing import RequestTracer
 
 log = logging.getLogger("brisk.server")
@@ -102,18 +102,18 @@ class ServerConfig:
             raise ValueError("the API key is empty; set BRISK_API_KEY to a non-empty key or leave it unset")
 
 
-EngineFactory = Callable[[LoadReport], "AsyncLLMEngine"]
+EngineFactory = Callable[[LoadReport], "EngineClient"]
 
 
 class ServerState:
     def __init__(self, config: ServerConfig, engine_factory: EngineFactory | None = None,
-                 engine: AsyncLLMEngine | None = None, tracer: RequestTracer | None = None):
+                 engine: EngineClient | None = None, tracer: RequestTracer | None = None):
         self.config = config
         self.metrics = ServerMetrics()
         self.tracer = tracer  # None: no tracing work at all
         self.request_log = open_request_log(config.request_log) if config.request_log else None
         self.report = LoadReport()
-        self.engine: AsyncLLMEngine | None = None
+        self.engine: EngineClient | None = None
         self.load_error: str | None = None
         self.started_ts = time.monotonic()
         self.started_unix = time.time()  # the `created` of /v1/models
@@ -147,15 +147,16 @@ class ServerState:
             return
         self._set_ready(engine)
 
-    def _set_ready(self, engine: AsyncLLMEngine) -> None:
-        loaded = engine.loaded
-        report = loaded.report if loaded.report.phases_ms else self.report
-        self.metrics.observe_load(report.phases_ms, report.total_ms)
-        self.metrics.build_info.labels(_version(), self.config.served_model_name, str(loaded.dtype).split(".")[-1],
-                                       str(loaded.device)).set(1)
+    def _set_ready(self, engine: EngineClient) -> None:
+        info = engine.model_info
+        if info.load_phases_ms:
+            self.metrics.observe_load(info.load_phases_ms, info.load_total_ms)
+        else:
+            self.metrics.observe_load(self.report.phases_ms, self.report.total_ms)
+        self.metrics.build_info.labels(_version(), self.config.served_model_name, info.dtype, info.device).set(1)
         self.engine = engine
-        tok = loaded.tokenizer
-        self.grammars = GrammarCompiler(tok.fast, loaded.config.vocab_size, tok.eos_token_ids)
+        tok = engine.tokenizer
+        self.grammars = GrammarCompiler(tok.fast, engine.vocab_size, tok.eos_token_ids)
         # llguidance's first use in a process costs 0.4-1.9 s: pay it now, not in the first request
         threading.Thread(target=self._warm_grammars, name="brisk-grammar-warm-up", daemon=True).start()
         self.ready_ts = time.monotonic()
@@ -199,7 +200,7 @@ class ServerState:
             return await asyncio.to_thread(fn, *args)
 
     # -- admission ----------------------------------------------------------------
-    def require_engine(self) -> AsyncLLMEngine:
+    def require_engine(self) -> EngineClient:
         retry = {"Retry-After": str(self.config.retry_after_s)}
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down",
@@ -244,8 +245,8 @@ class ServerState:
                            param="prompt", code="exceeds_capacity")
 
     def admit(self, n: int) -> None:
-        """Bounded queue: up to max_num_seqs running plus --max-queued-requests waiting."""
-        self.check_capacity(n)
+        """Bounded queue: up to max_num_seqs running plus --max-queued-requests waiting. (A request
+        that could never fit was refused by check_capacity while it was prepared.)"""
         capacity = self.capacity
         if self.num_active + n > capacity:
             raise APIError(429, f"server overloaded: {self.num_active} requests in flight, capacity {capacity} "

@@ -1,0 +1,196 @@
+"""Turning an HTTP request into engine requests: the checks that answer before any engine work
+(model name, characters, what the template renders), the prompt's token ids, the context guard,
+the grammar, and the sampling parameters; `prepare_chat` / `prepare_completion` do it per route."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from brisk.engine.sampling_params import SamplingParams
+from brisk.errors import ParamError
+from brisk.server.context_guard import ContextLengthError, GuardResult, guard_chat, guard_prompt
+from brisk.server.errors import APIError
+from brisk.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
+from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter
+from brisk.server.state import ServerState
+from brisk.structured.compiler import CompiledGrammar
+from brisk.structured.spec import GrammarSpec, from_request as grammar_spec
+from brisk.structured.tools import TOOLS_TEMPLATE_HINT, grammar as tool_grammar, plan as tool_plan, renders_tool_calls
+from brisk.tokenizer import ChatTemplateError
+
+
+@dataclass
+class Prepared:
+    """What a completion route hands to the run: the response formatter, one context-guard result
+    per prompt, and the sampling parameters (one for all prompts, or one per prompt)."""
+
+    fmt: Formatter
+    guards: list[GuardResult]
+    params: SamplingParams | list[SamplingParams]
+
+
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
+    check_model(state, body.model)
+    state.check_capacity(body.n)
+    messages = message_dicts(body.messages)
+    check_chars(state, chat_chars(messages), "messages")
+    check_rendered(messages, state.tokenizer)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    tok = state.tokenizer
+    tools = _spec(lambda: tool_plan(body, tok.chat_template_source, tok.template_variables,
+                                    state.config.tool_call_parser))
+    spec = _spec(lambda: _one_constraint(grammar_spec(body), tool_grammar(tools) if tools else None))
+    tool_defs = tools.tools if tools else None
+    template_kwargs = body.chat_template_kwargs or {}
+    guard = await _guard(state, lambda: guard_chat(
+        messages, lambda m: encode_chat(tok, m, tools=tool_defs, **template_kwargs), max_tokens,
+        state.max_model_len, state.config.context_policy))
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    grammar = await _grammar(state, spec)
+    params = _sampling_params(body, guard.max_tokens, num_top, grammar)
+    if tools is not None and tools.parses and tools.parallel:
+        params.tool_plan = tools  # the engine ends a reply that loops on one call
+    fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None,
+                        state.config.reasoning_parser)
+    return Prepared(fmt, [guard], params)
+
+
+async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
+    check_model(state, body.model)
+    num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
+    state.check_prompt_list(num_prompts, body.n)
+    state.check_capacity(num_prompts * body.n)
+    prompts = await _prompt_ids(state, body.prompt)
+    guards = [await _guard(state, lambda ids=ids: guard_prompt(ids, body.max_tokens, state.max_model_len,
+                                                                state.config.context_policy))
+              for ids in prompts]
+    grammar = await _grammar(state, _spec(lambda: grammar_spec(body)))
+    params = [_sampling_params(body, g.max_tokens, body.logprobs, grammar) for g in guards]
+    fmt = CompletionFormatter(_new_id("cmpl"), state, body.logprobs is not None, body.echo)
+    return Prepared(fmt, guards, params)
+
+
+def chat_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+
+
+def check_chars(state: ServerState, chars: int, param: str) -> None:
+    """Bound the tokenizer's work per request (it runs off the event loop, but still costs CPU)."""
+    limit = state.config.max_prompt_chars
+    if chars > limit:
+        raise APIError(413, f"{param}: {chars} characters, over the server's limit of {limit} per request "
+                            f"(--max-prompt-chars); send less text", param=param, code="prompt_too_large")
+
+
+def check_rendered(messages: list[dict[str, Any]], tok) -> None:
+    """An assistant's earlier tool calls must reach the model: a 400 where the template drops them."""
+    if renders_tool_calls(tok.chat_template_source):
+        return
+    for i, message in enumerate(messages):
+        if message.get("tool_calls"):
+            raise APIError(400, f"messages[{i}].tool_calls: this model's chat template does not render tool calls, "
+                                f"so the model would not see them; {TOOLS_TEMPLATE_HINT}",
+                           param=f"messages[{i}].tool_calls", code="invalid_messages")
+
+
+def decode_checked(state: ServerState, ids: list[int]) -> str:
+    """/detokenize's work (in a worker thread): ids inside the vocabulary, then the text."""
+    vocab = state.engine.vocab_size
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"tokens[{bad}]: token id {ids[bad]} is outside the vocabulary [0, {vocab})",
+                       param=f"tokens[{bad}]", code="invalid_value")
+    return state.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def encode_chat(tok, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
+    try:
+        return tok.encode_chat(messages, add_generation_prompt, tools=tools, **template_kwargs)
+    except ChatTemplateError as e:
+        raise APIError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.config.model_names:
+        shown = model if len(model) <= 100 else model[:100] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist; this server serves "
+                            + ", ".join(f"`{n}`" for n in state.config.model_names) + " (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+async def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+    """OpenAI's four prompt shapes -> a list of token-id prompts (the schema has checked the shapes)."""
+    tok = state.tokenizer
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        check_chars(state, sum(len(t) for t in texts), "prompt")
+        return await state.run_tokenizer(lambda: [tok.encode(t) for t in texts])
+    prompts = [prompt] if isinstance(prompt[0], int) else prompt  # counted against --max-token-ids when read
+    # NOTE: whether the ids are in the vocabulary is the engine's rule (LLMEngine._validate, the one
+    # owner of what an engine request may hold, for every caller); its error becomes a 400 in Run.start
+    return [list(p) for p in prompts]
+
+
+async def _guard(state: ServerState, run: Callable[[], GuardResult]) -> GuardResult:
+    """Count and fit the prompt off the event loop. The outcome is counted once the request is
+    admitted (a request refused for capacity is no context-guard "ok")."""
+    try:
+        return await state.run_tokenizer(run)
+    except ContextLengthError as e:
+        state.metrics.context_guard.labels("rejected").inc()
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+
+
+def _one_constraint(output: GrammarSpec | None, tools: GrammarSpec | None) -> GrammarSpec | None:
+    if output is not None and tools is not None:
+        raise ParamError(output.field, "cannot constrain the output together with a forced tool call "
+                                       "(tool_choice required or a named function); keep one")
+    return output or tools
+
+
+def _spec(build: Callable[[], GrammarSpec | None]) -> GrammarSpec | None:
+    try:
+        return build()
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+
+
+async def _grammar(state: ServerState, spec: GrammarSpec | None) -> CompiledGrammar | None:
+    """Compile (or fetch from the cache) in a worker thread: never on the engine's step loop."""
+    if spec is None:
+        return None
+    try:
+        return await state.run_tokenizer(state.grammars.compile, spec)
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_grammar") from None
+
+
+def _logit_bias(body) -> dict[int, float] | None:
+    """OpenAI's string keys (checked to be token ids by the protocol) as ints."""
+    return {int(key): value for key, value in body.logit_bias.items()} if body.logit_bias else None
+
+
+def _sampling_params(body, max_tokens: int, logprobs: int | None, grammar: CompiledGrammar | None = None
+                     ) -> SamplingParams:
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    top_k = body.top_k
+    if top_p == 0.0:  # OpenAI accepts top_p=0: keep only the most likely token
+        top_p, top_k = 1.0, 1
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p,
+            seed=body.seed, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=_logit_bias(body),
+            grammar=grammar, output_kind="delta", speculative=body.speculative)
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
