@@ -8,7 +8,7 @@ import json
 import sys
 import traceback
 
-from brisk import __version__, argtypes
+from brisk import __version__, argtypes, switches
 from brisk.engine.factory import add_engine_args, add_model_args, build_engine, check_device
 from brisk.errors import BriskError
 
@@ -100,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from brisk.loading.report import LoadReport
 
+    switches.check_all()
     check_device(args.device)
     report = LoadReport()
     with report.phase("imports"):

@@ -104,7 +104,7 @@ def test_bad_niceness_setting_is_one_clear_error(monkeypatch):
     from brisk.errors import BriskError
 
     monkeypatch.setenv("BRISK_ENGINE_NICENESS", "high")
-    with pytest.raises(BriskError, match="BRISK_ENGINE_NICENESS='high' is not an integer"):
+    with pytest.raises(BriskError, match="BRISK_ENGINE_NICENESS='high': expected an integer from 0 to 19"):
         engine_niceness_from_env()
     monkeypatch.setenv("BRISK_ENGINE_NICENESS", "0")
     assert engine_niceness_from_env() == 0

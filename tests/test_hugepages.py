@@ -65,7 +65,7 @@ def test_hugepages_can_be_turned_off(monkeypatch):
 
 def test_a_bad_hugepages_setting_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("BRISK_KV_HUGEPAGES", "yes")
-    with pytest.raises(BriskError, match="BRISK_KV_HUGEPAGES='yes': expected 'on' or 'off'"):
+    with pytest.raises(BriskError, match="BRISK_KV_HUGEPAGES='yes': expected one of on, off"):
         PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)
 
 

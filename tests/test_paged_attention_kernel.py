@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from brisk.errors import BriskError
 from brisk import kernels
 from brisk.models.layers import attend
 from brisk.engine.attention import (AttentionMetadata, KernelPagedAttention, PagedKVCache, PrefillSeq,
@@ -188,7 +189,7 @@ def test_backend_choice(lib, monkeypatch):
     monkeypatch.setenv("BRISK_ATTENTION", "torch")
     assert attention_backend(CPU, torch.float32) is TorchPagedAttention
     monkeypatch.setenv("BRISK_ATTENTION", "fast")
-    with pytest.raises(ValueError, match="BRISK_ATTENTION='fast'"):
+    with pytest.raises(BriskError, match="BRISK_ATTENTION='fast': expected one of auto, torch"):
         attention_backend(CPU, torch.float32)
 
 

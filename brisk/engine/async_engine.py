@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
+from brisk import switches
 from brisk.engine.client import ModelInfo
 from brisk.engine.engine import LLMEngine
 from brisk.engine.errors import EngineDeadError
@@ -25,17 +26,12 @@ from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.stats import EngineStats
 from brisk.engine.stream import RequestStream
-from brisk.errors import BriskError
 
 log = logging.getLogger("brisk.engine")
 
 
 def engine_niceness_from_env() -> int:
-    raw = os.environ.get("BRISK_ENGINE_NICENESS", "5")
-    try:
-        return int(raw)
-    except ValueError:
-        raise BriskError(f"BRISK_ENGINE_NICENESS={raw!r} is not an integer; use 0 (off) to 19") from None
+    return switches.integer("BRISK_ENGINE_NICENESS")
 
 
 class AsyncLLMEngine:

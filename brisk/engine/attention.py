@@ -7,14 +7,12 @@ a CUDA paged/flash kernel plugs in by implementing the same `__call__`."""
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from brisk import kernels
+from brisk import kernels, switches
 from brisk.kernels import fused
 from brisk.engine import hugepages
 from brisk.models.layers import attend
@@ -205,9 +203,7 @@ class KernelPagedAttention(TorchPagedAttention):
 def attention_backend(device: torch.device, dtype: torch.dtype) -> type[TorchPagedAttention]:
     """The compiled kernel on CPU for float32/bfloat16 KV when it is built, else the torch path.
     BRISK_ATTENTION=torch forces the torch path (to compare, or to rule the kernel out)."""
-    choice = os.environ.get("BRISK_ATTENTION", "auto")
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"BRISK_ATTENTION={choice!r}: expected 'auto' or 'torch'")
+    choice = switches.choice("BRISK_ATTENTION")
     if (choice == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and kernels.library() is not None):
         log.info("paged attention: compiled CPU kernel (%s)", kernels.attention_isa())

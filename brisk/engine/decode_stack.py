@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
-from brisk import kernels
+from brisk import kernels, switches
 from brisk.engine.attention import AttentionMetadata, PagedKVCache
 from brisk.models.layers import RopeTables
 from brisk.models.decoder import DecoderForCausalLM
@@ -99,7 +98,7 @@ class DecodeStack:
         lib = kernels.library()
         reason = None
         cfg = model.config
-        if os.environ.get("BRISK_DECODE_STACK", "auto") == "off":
+        if switches.choice("BRISK_DECODE_STACK") == "off":
             reason = "BRISK_DECODE_STACK=off"
         elif lib is None or not hasattr(lib, "brisk_decode_stack"):
             reason = "no compiled kernels"

@@ -28,7 +28,7 @@ import sys
 import numpy as np
 import torch
 
-from brisk.errors import BriskError
+from brisk import switches
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,7 @@ def _madvise():
 
 def requested() -> bool:
     """BRISK_KV_HUGEPAGES: on (default) or off."""
-    choice = os.environ.get("BRISK_KV_HUGEPAGES", "on")
-    if choice not in ("on", "off"):
-        raise BriskError(f"BRISK_KV_HUGEPAGES={choice!r}: expected 'on' or 'off' (unset means on)")
-    return choice == "on"
+    return switches.choice("BRISK_KV_HUGEPAGES") == "on"
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge: bool = True) -> torch.Tensor:

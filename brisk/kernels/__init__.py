@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from brisk import switches
 from brisk.kernels.build import SOURCES, build, source_tag
 
 log = logging.getLogger("brisk.kernels")
@@ -72,7 +72,7 @@ def library() -> ctypes.CDLL | None:
     if _lib_tried:
         return _lib
     _lib_tried = True
-    if os.environ.get("BRISK_KERNELS", "auto") == "torch":
+    if switches.choice("BRISK_KERNELS") == "torch":
         return None
     candidates = [PACKAGE_LIB]
     try:

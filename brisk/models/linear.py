@@ -19,22 +19,18 @@ percent of padded rows on average (`benchmarks/row_buckets.py`, figures in RESUL
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.errors import BriskError
+from brisk import switches
 
 PACK_ROWS_HINT = 64  # oneDNN picks its weight layout for this batch size; any hint >= 16 measured the same
 
 
 def _onednn_enabled() -> bool:
-    choice = os.environ.get("BRISK_MATMUL", "auto")
-    if choice not in ("auto", "onednn", "torch"):
-        raise BriskError(f"BRISK_MATMUL={choice!r} is not a matmul backend; use auto, onednn or torch")
-    return choice != "torch" and torch.backends.mkldnn.is_available() and \
+    return switches.choice("BRISK_MATMUL") != "torch" and torch.backends.mkldnn.is_available() and \
         hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 

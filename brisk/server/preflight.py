@@ -145,8 +145,10 @@ def preflight(args: argparse.Namespace, bind_port: bool = True) -> Preflight:
 
     from brisk.config import ModelConfig
 
+    from brisk import switches
     from brisk.engine.factory import check_device
 
+    switches.check_all()  # a mistyped BRISK_* value: one line now, not when its path first runs
     check_device(args.device)  # --device cuda without a usable GPU: before the model is even resolved
     source = resolve(args.model)  # a missing or unreadable model: ModelLoadError, one line
     config = model_config(source)

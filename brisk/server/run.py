@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Any, AsyncIterator, NamedTuple
 
 from fastapi import Request

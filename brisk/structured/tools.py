@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from brisk.errors import ParamError
