@@ -239,14 +239,47 @@ class IncrementalDetokenizer:
     A token may end in the middle of a multi-byte character (CJK, emoji); such bytes
     are held back until the character is complete, so every emitted piece is valid
     UTF-8 and the concatenation equals `decode(all_ids)`.
+
+    tokenizers' DecodeStream raises when a prefix decodes differently once more ids follow, which
+    byte-fallback tokens (SentencePiece vocabularies: Llama 2, Mistral, Gemma) do when their bytes
+    are not valid UTF-8: a sampled reply must not end the engine for that. From the first such
+    token on, text comes from decoding a window of ids (the prefix/read offsets vLLM uses) and
+    emitting what it adds, holding back a trailing replacement character.
     """
+
+    _WINDOW = 6  # ids decoded before the new ones, so a piece's leading space and bytes come out right
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._prefix_offset = self._read_offset = 0
         self.text = ""
 
     def step(self, token_id: int) -> str:
-        piece = self._stream.step(self._tokenizer.fast, token_id) or ""
+        self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._tokenizer.fast, token_id) or ""
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception for an inconsistent prefix
+                self._stream = None
+                self._read_offset = len(self._ids) - 1
+                self._prefix_offset = max(self._read_offset - self._WINDOW, 0)
+            else:
+                self.text += piece
+                return piece
+        return self._offset_step()
+
+    def _offset_step(self) -> str:
+        def decode(ids: list[int]) -> str:
+            return self._tokenizer.fast.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+        before = decode(self._ids[self._prefix_offset:self._read_offset])
+        after = decode(self._ids[self._prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing new yet, or an incomplete character: wait for the next id
+        piece = after[len(before):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.text += piece
         return piece

