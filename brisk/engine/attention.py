@@ -124,10 +124,6 @@ class TorchPagedAttention:
     gather their context out of the cache (index_select) and run SDPA on the copy: the reference
     the compiled kernel is tested against, and the path on devices the kernel does not cover."""
 
-    # set by the model runner for steps of decode rows only: (residual, rope) -> final hidden states,
-    # the whole decoder stack in one compiled call (brisk/engine/decode_stack.py)
-    decode_stack = None
-
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, softcap: float | None = None):
         self.cache, self.meta, self.scale, self.softcap = cache, meta, scale, softcap
         # per window (None: the whole context): decode rows' slots and padding mask, built once per

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from brisk import kernels, switches
+from brisk.kernels import abi
 from brisk.engine.attention import AttentionMetadata, PagedKVCache
 from brisk.models.layers import RopeTables
 from brisk.models.decoder import DecoderForCausalLM
@@ -27,46 +28,14 @@ from brisk.models.quant import QuantLinear
 
 log = logging.getLogger("brisk.decode_stack")
 
-_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _QuantWeight(ctypes.Structure):
-    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64),
-                ("tiled", _i64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _QuantWeight), ("o", _QuantWeight), ("gate_up", _QuantWeight), ("down", _QuantWeight),
-                ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("window", _i64)]
-
-
-class _Dims(ctypes.Structure):
-    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rot_dim", _i64),
-                ("inter", _i64), ("kv_bf16", _i64), ("block_size", _i64), ("part_tokens", _i64),
-                ("eps", _f32), ("scale", _f32)]
-
-
-class _Scratch(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("x", "qkv", "q", "attn", "proj", "gate_up", "act", "xq", "xd", "xs")]
-
-
-def _bind(lib: ctypes.CDLL) -> None:
-    if getattr(lib, "_brisk_stack_bound", False):
-        return
-    lib.brisk_decode_stack.argtypes = [ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Dims), _p, _p, _p, _p, _p,
-                                       _p, _i64, _p, _i64, ctypes.POINTER(_Scratch), _p]
-    lib.brisk_decode_stack.restype = ctypes.c_int
-    lib._brisk_stack_bound = True
-
-
-def _quant_weight(linear: torch.nn.Module) -> _QuantWeight | None:
+def _quant_weight(linear: torch.nn.Module) -> abi.QuantWeight | None:
     if not isinstance(linear, QuantLinear) or not all(
             t.device.type == "cpu" and t.is_contiguous() for t in (linear.qweight, linear.scales, linear.mins)
             if t is not None):
         return None
     if linear.bias is not None and not (linear.bias.dtype == torch.float32 and linear.bias.is_contiguous()):
         return None
-    return _QuantWeight(linear.qweight.data_ptr(), linear.scales.data_ptr(),
+    return abi.QuantWeight(linear.qweight.data_ptr(), linear.scales.data_ptr(),
                         None if linear.mins is None else linear.mins.data_ptr(),
                         None if linear.bias is None else linear.bias.data_ptr(),
                         linear.fmt.bits, linear.out_features, linear.in_features, int(linear.fmt.tiled))
@@ -80,10 +49,10 @@ class DecodeStack:
     """Callable: (residual [rows, hidden] float32 embeddings, rope tables, step metadata) -> final
     hidden states; `residual` ends as the residual stream (as on the Python path)."""
 
-    def __init__(self, lib: ctypes.CDLL, model: DecoderForCausalLM, layers: list[_Layer], dims: _Dims):
+    def __init__(self, lib: ctypes.CDLL, model: DecoderForCausalLM, layers: list[abi.Layer], dims: abi.Dims):
         # the model is held so that the weights the layer table points at outlive this object
         self._lib, self._model = lib, model
-        self._layers = (_Layer * len(layers))(*layers)
+        self._layers = (abi.Layer * len(layers))(*layers)
         self._dims = dims
         self._final_norm = model.model.norm.weight
         cfg = model.config
@@ -124,15 +93,14 @@ class DecodeStack:
                     reason = f"layer {i}'s norms are not float32"
                     break
                 window = cfg.layer_windows[i] if cfg.layer_windows else None
-                layers.append(_Layer(*weights, norms[0].data_ptr(), norms[1].data_ptr(), kv.k[i].data_ptr(),
+                layers.append(abi.Layer(*weights, norms[0].data_ptr(), norms[1].data_ptr(), kv.k[i].data_ptr(),
                                      kv.v[i].data_ptr(), window or 0))
             if reason is None and not _f32_vector(model.model.norm.weight):
                 reason = "final norm is not float32"
         if reason is not None:
             log.info("decode steps: layer by layer from Python (%s)", reason)
             return None
-        _bind(lib)
-        dims = _Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rotary.rotary_dim,
+        dims = abi.Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rotary.rotary_dim,
                      cfg.intermediate_size, 0, block_size, kernels.PART_TOKENS, cfg.rms_norm_eps, scale)
         log.info("decode steps: the whole decoder stack in one compiled call")
         return cls(lib, model, layers, dims)
@@ -144,7 +112,7 @@ class DecodeStack:
         xq = torch.empty(rows * self._max_k, dtype=torch.int8)
         xd = torch.empty(rows * self._max_k // kernels.QK, dtype=torch.float32)
         xs = torch.empty_like(xd)
-        scratch = _Scratch(*(b.data_ptr() for b in buffers.values()), xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+        scratch = abi.Scratch(*(b.data_ptr() for b in buffers.values()), xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
         tables = meta.decode_tables.to(torch.int32).contiguous()
         lens = meta.decode_lens.to(torch.int32).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()

@@ -85,9 +85,10 @@ class ModelRunner:
         drafted tokens: the tokens each request emits after verification)."""
         input_ids, positions, meta, sample_rows, sample_requests, drafts = self._prepare(chunks)
         attention = self.attention(self.kv, meta, self.scale, self.softcap)
+        stack = None  # a step of decode rows only: the whole decoder stack in one compiled call
         if self.decode_stack is not None and not meta.prefills and meta.num_decodes:
-            attention.decode_stack = functools.partial(self.decode_stack, meta=meta)
-        hidden = self.model(input_ids, positions, attention)
+            stack = functools.partial(self.decode_stack, meta=meta)
+        hidden = self.model(input_ids, positions, attention, stack)
         if not sample_requests:
             return [], None
         logits = self.model.compute_logits(hidden[sample_rows])

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from brisk import switches
+from brisk.kernels import abi
 from brisk.kernels.build import SOURCES, build, source_tag
 
 log = logging.getLogger("brisk.kernels")
@@ -42,28 +43,7 @@ def _fresh(path: Path) -> bool:
 
 
 def _bind(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.brisk_quant_matmul.argtypes = [p, p, p, p, ctypes.c_int, ctypes.c_int, i64, i64, i64, p, p, p, p]
-    lib.brisk_quant_matmul.restype = None
-    lib.brisk_kernels_isa.restype = ctypes.c_int
-    lib.brisk_kernels_force_isa.argtypes = [ctypes.c_int]
-    lib.brisk_kernels_force_isa.restype = None
-    lib.brisk_paged_decode_attention.argtypes = [p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64,
-                                                 ctypes.c_float, i64, i64, ctypes.c_float, p]
-    lib.brisk_paged_decode_attention.restype = ctypes.c_int
-    lib.brisk_paged_attention_isa.restype = ctypes.c_int
-    lib.brisk_paged_attention_force_isa.argtypes = [ctypes.c_int]
-    lib.brisk_paged_attention_force_isa.restype = None
-    lib.brisk_rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
-    lib.brisk_rms_norm.restype = None
-    lib.brisk_silu_mul.argtypes = [p, p, i64, i64]
-    lib.brisk_silu_mul.restype = None
-    lib.brisk_rope.argtypes = [p, i64, p, p, i64, i64, i64, i64]
-    lib.brisk_rope.restype = None
-    lib.brisk_store_kv.argtypes = [p, p, i64, p, p, p, ctypes.c_int, i64, i64]
-    lib.brisk_store_kv.restype = None
-    return lib
+    return abi.declare(ctypes.CDLL(str(path)))
 
 
 def library() -> ctypes.CDLL | None:

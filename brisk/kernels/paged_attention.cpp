@@ -29,6 +29,7 @@
 #include <omp.h>
 
 #include "simd_avx2.h"
+#include "brisk_abi.h"
 
 namespace {
 

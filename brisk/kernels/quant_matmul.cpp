@@ -24,6 +24,7 @@
 #include <vector>
 #include <immintrin.h>
 #include <omp.h>
+#include "brisk_abi.h"
 
 namespace {
 

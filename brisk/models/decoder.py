@@ -22,7 +22,7 @@ on the output dim) and `mlp.gate_up_proj` (as Phi-3 stores them).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -174,13 +174,15 @@ class DecoderForCausalLM(nn.Module):
         ropes = [cfg.rope_of_layer(i) for i in range(cfg.num_layers)]
         return [None if rope is None else tables[id(rope)] for rope in ropes]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                stack: Callable[[torch.Tensor, RopeTables], torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden_size]. `stack`: for a step of
+        decode rows only, the whole decoder stack in one compiled call (brisk/engine/decode_stack.py),
+        with the same results as the layers one by one."""
         residual = self.model.embed_tokens(input_ids)  # the residual stream, added to in place
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype, as HF does
             residual = residual * torch.tensor(self.config.embed_scale, dtype=residual.dtype)
-        stack = getattr(attention, "decode_stack", None)
-        if stack is not None:  # a decode-only step: every layer in one compiled call, same results
+        if stack is not None:
             return stack(residual, self.rotary.tables(positions, residual.dtype))
         ropes = self._layer_ropes(positions, residual.dtype)
         layers = self.model.layers

@@ -1,0 +1,54 @@
+"""The compiled kernels' C interface as ctypes sees it: every signature and struct of
+`brisk_abi.h`, in one place, in the header's order. `declare(lib)` sets them on a loaded library.
+Torch-free."""
+
+from __future__ import annotations
+
+import ctypes
+
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class QuantWeight(ctypes.Structure):  # BriskQuantWeight
+    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64),
+                ("tiled", _i64)]
+
+
+class Layer(ctypes.Structure):  # BriskLayer
+    _fields_ = [("qkv", QuantWeight), ("o", QuantWeight), ("gate_up", QuantWeight), ("down", QuantWeight),
+                ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("window", _i64)]
+
+
+class Dims(ctypes.Structure):  # BriskDims
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rot_dim", _i64),
+                ("inter", _i64), ("kv_bf16", _i64), ("block_size", _i64), ("part_tokens", _i64),
+                ("eps", _f32), ("scale", _f32)]
+
+
+class Scratch(ctypes.Structure):  # BriskScratch
+    _fields_ = [(name, _p) for name in ("x", "qkv", "q", "attn", "proj", "gate_up", "act", "xq", "xd", "xs")]
+
+
+# name -> (argument types, return type), as brisk_abi.h declares them
+SIGNATURES = {
+    "brisk_quant_matmul": ([_p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p], None),
+    "brisk_kernels_isa": ([], _i32),
+    "brisk_kernels_force_isa": ([_i32], None),
+    "brisk_paged_decode_attention": ([_p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _i64,
+                                      _f32, _p], _i32),
+    "brisk_paged_attention_isa": ([], _i32),
+    "brisk_paged_attention_force_isa": ([_i32], None),
+    "brisk_rms_norm": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
+    "brisk_silu_mul": ([_p, _p, _i64, _i64], None),
+    "brisk_rope": ([_p, _i64, _p, _p, _i64, _i64, _i64, _i64], None),
+    "brisk_store_kv": ([_p, _p, _i64, _p, _p, _p, _i32, _i64, _i64], None),
+    "brisk_decode_stack": ([ctypes.POINTER(Layer), _i64, ctypes.POINTER(Dims), _p, _p, _p, _p, _p, _p, _i64, _p, _i64,
+                            ctypes.POINTER(Scratch), _p], _i32),
+}
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, (args, result) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib

@@ -1,0 +1,73 @@
+// brisk's compiled kernels: their C interface, declared once. Every .cpp includes this file, so
+// the compiler holds each definition to its declaration (a C function declared twice with other
+// parameters does not compile); brisk/kernels/abi.py gives Python the same signatures, in the
+// same order. Change a signature here, in its definition and in abi.py together.
+#pragma once
+
+#include <cstdint>
+
+// One quantized weight [n, k] (quant_matmul.cpp's layout), and an optional float32 bias [n].
+struct BriskQuantWeight {
+    const uint8_t* q;
+    const uint16_t* d;
+    const uint16_t* m;  // null: no offsets
+    const float* bias;  // null: no bias
+    int64_t bits, n, k;
+    int64_t tiled;  // int4 in tiles of 8 rows
+};
+
+// One decoder layer of the compiled decode step (decoder.cpp).
+struct BriskLayer {
+    BriskQuantWeight qkv, o, gate_up, down;
+    const float* input_norm;  // weights [hidden]
+    const float* post_norm;
+    void* k_cache;  // [slots, kv_heads, head_dim], float32 or bfloat16
+    void* v_cache;
+    int64_t window;  // sliding window, 0: none
+};
+
+struct BriskDims {
+    int64_t hidden, heads, kv_heads, head_dim, rot_dim, inter;
+    int64_t kv_bf16, block_size, part_tokens;
+    float eps, scale;
+};
+
+struct BriskScratch {  // float32 buffers the caller allocates, sized for the step's rows
+    float *x, *qkv, *q, *attn, *proj, *gate_up, *act;
+    int8_t* xq;  // activation blocks for the matmuls
+    float *xd, *xs;
+};
+
+extern "C" {
+
+// quant_matmul.cpp: out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch first.
+void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
+                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out);
+int brisk_kernels_isa();
+void brisk_kernels_force_isa(int isa);
+
+// paged_attention.cpp: 0, or a nonzero code for a shape the kernel does not take.
+int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
+                                 const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+                                 int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, int64_t part_tokens, int64_t window,
+                                 float softcap, float* out);
+int brisk_paged_attention_isa();
+void brisk_paged_attention_force_isa(int isa);
+
+// fused_ops.cpp
+void brisk_rms_norm(const float* x, float* residual, const float* w, float* out, int64_t rows, int64_t dim,
+                    float eps);
+void brisk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
+void brisk_rope(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t rows, int64_t heads,
+                int64_t head_dim, int64_t rot_dim);
+void brisk_store_kv(const float* k, const float* v, int64_t src_stride, const int64_t* slots, void* k_cache,
+                    void* v_cache, int bf16, int64_t rows, int64_t width);
+
+// decoder.cpp: 0, or the paged kernel's nonzero code (checked before anything is written).
+int brisk_decode_stack(const BriskLayer* layers, int64_t num_layers, const BriskDims* dims, const float* final_norm,
+                       float* residual, const float* cos, const float* sin, const int64_t* slots,
+                       const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens, int64_t rows,
+                       const BriskScratch* scratch, float* out);
+
+}  // extern "C"
