@@ -22,6 +22,8 @@ from brisk.structured.spec import GrammarSpec, json_spec
 from live_server import serve_engine
 from engines import make_engine
 
+pytestmark = pytest.mark.slow  # 8-17 MB bodies and hypothesis-fuzzed grammars: `pytest -m 'not slow'` skips it locally
+
 MESSAGES = [{"role": "user", "content": "Give me a value."}]
 
 

@@ -12,6 +12,8 @@ import torch
 from brisk.generate import generate_ids
 from brisk.models.simple_cache import SingleSequenceCache
 
+pytestmark = pytest.mark.slow  # the HF transformers reference, token for token: `pytest -m 'not slow'` skips it locally
+
 PROMPTS = [
     "What is the capital of France?",
     "Explain photosynthesis to a ten-year-old.",

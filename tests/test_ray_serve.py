@@ -26,6 +26,8 @@ pytest.importorskip("ray.serve", reason="the `ray` extra is part of make test's 
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster of 2 replicas: `pytest -m 'not slow'` skips it locally
+
 MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 240
 SYSTEM = ("You are the support assistant of Northwind Traders. Answer questions about orders, shipping, returns "

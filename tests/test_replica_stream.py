@@ -11,6 +11,8 @@ import pytest
 from brisk.cli import build_parser
 from brisk.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # Ray Serve replicas: `pytest -m 'not slow'` skips it locally
+
 pytest.importorskip("ray")
 
 

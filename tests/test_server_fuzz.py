@@ -30,6 +30,8 @@ from brisk.engine.scheduler import SchedulerConfig
 from live_server import serve_engine
 from schemathesis_hooks import MAX_NEW, fit_positive_case  # noqa: F401 (MAX_NEW: the bound it applies)
 
+pytestmark = pytest.mark.slow  # schemathesis over the whole OpenAPI document: `pytest -m 'not slow'` skips it locally
+
 WINDOW = 128
 EXAMPLES = 30
 
