@@ -85,8 +85,16 @@ def check_device(device: str) -> None:
     spec = importlib.util.find_spec("torch")
     version = Path(spec.origin).with_name("version.py") if spec and spec.origin else None
     text = version.read_text(encoding="utf-8") if version and version.is_file() else ""
-    build = re.search(r"^cuda\b[^=]*=\s*(.+)$", text, re.M)
-    if build and build.group(1).strip() == "None":
+    def built_with(name: str) -> bool | None:  # None: the file does not say
+        found = re.search(rf"^{name}\b[^=]*=\s*(.+)$", text, re.M)
+        return None if found is None else found.group(1).strip() != "None"
+
+    if built_with("hip"):  # ROCm builds call their GPUs "cuda" too
+        if not Path("/dev/kfd").exists():
+            raise BriskError(f"--device {device}: no AMD GPU driver on this machine (/dev/kfd is missing); "
+                             "use --device cpu")
+        return
+    if built_with("cuda") is False:
         tag = re.search(r"^__version__\s*=\s*'([^']+)'", text, re.M)
         raise BriskError(f"--device {device}: this torch build has no CUDA (torch {tag.group(1) if tag else '?'}); "
                          "use --device cpu, or install a CUDA build of torch")
