@@ -79,18 +79,9 @@ def test_parallel_tool_calls_false_gives_exactly_one_call(client):
 def test_streamed_tool_calls_match_non_stream(client):
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120)
     whole = client.chat.completions.create(**kw).choices[0]
-    calls, finish, content = {}, None, ""
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            finish = c.finish_reason or finish
-            for d in c.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                entry["name"] += d.function.name or ""
-                entry["arguments"] += d.function.arguments or ""
+    calls, content, finish, _ = _streamed_calls(client, kw)
     assert finish == "tool_calls" and content == ""
-    assert [calls[i] for i in sorted(calls)] == [{"name": c.function.name, "arguments": c.function.arguments}
-                                                 for c in whole.message.tool_calls]
+    assert calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
 
 
 def test_auto_returns_content_or_valid_calls(client):
