@@ -111,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  quantization=args.quantization, report=report)
+                  quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype)
     if args.verbose:
         print("\n".join(report.lines()), file=sys.stderr)
     tok = loaded.tokenizer

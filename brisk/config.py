@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brisk.errors import ModelLoadError
+from brisk.kv_dtype import ALIASES as KV_ALIASES, CHOICES as KV_CHOICES, KVDtype
 
 @dataclass(frozen=True)
 class Family:
@@ -144,9 +145,10 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+    def kv_bytes_per_token(self, kv_dtype: KVDtype) -> int:
+        """Bytes of K and V one token occupies across all layers, in the KV cache's element type
+        (int8's scales included)."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_dtype.row_bytes(self.head_dim)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -378,12 +380,15 @@ class CacheConfig:
     kv_cache_fraction: float = 0.2
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # exact block count (tests, simulations)
+    kv_cache_dtype: str = "auto"  # brisk/kv_dtype.py: auto, float32, bfloat16, float16, fp8(_e4m3/_e5m2), int8
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if not 0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        if self.kv_cache_dtype not in KV_CHOICES and self.kv_cache_dtype not in KV_ALIASES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CHOICES)}")
 
     def num_blocks(self, bytes_per_token: int, max_model_len: int, available_bytes: int) -> int:
         """Blocks that fit the budget; raises BriskError if one max_model_len sequence does not."""

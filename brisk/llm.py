@@ -20,19 +20,22 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_memory: int | None = None,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, seed: int = 0,
-                 speculative_config: dict[str, Any] | None = None, batch_invariant: bool | None = None):
+                 speculative_config: dict[str, Any] | None = None, batch_invariant: bool | None = None,
+                 kv_cache_dtype: str = "auto"):
         # vLLM's argument: {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, ...}
         speculative = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
+        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                            enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,
+                            kv_cache_dtype=kv_cache_dtype)  # a bad value is refused before the model loads
         self.loaded = load(model, device=device, dtype=dtype, max_model_len=max_model_len,
-                           quantization=quantization)
+                           quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = load(speculative.model, device=str(self.loaded.device), dtype=dtype,
                          max_model_len=self.loaded.max_model_len, quantization=quantization, warmup=False)
         self.engine = LLMEngine(
             self.loaded,
-            CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                        enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks),
+            cache,
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=self.loaded.max_model_len),
             seed=seed, speculative=speculative, draft=draft, batch_invariant=batch_invariant,

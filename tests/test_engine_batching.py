@@ -53,11 +53,14 @@ def run(engine, prompts, params, wave=None):
 
 
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+# the simple path (SingleSequenceCache) keeps float32 K/V: an engine compared with it does too
+# (the default KV dtype, bf16 on CPUs with AVX-512 BF16, is held to float32 KV in test_kv_dtypes.py)
+SIMPLE_KV = "float32"
 
 
 @pytest.fixture(scope="module")
 def one_at_a_time(demo_fp32, prompts64):
-    return run(make_engine(demo_fp32), prompts64, GREEDY, wave=1)
+    return run(make_engine(demo_fp32, kv_cache_dtype=SIMPLE_KV), prompts64, GREEDY, wave=1)
 
 
 def test_engine_matches_simple_path(demo_fp32, prompts64, one_at_a_time):
@@ -72,17 +75,17 @@ def test_quantized_engine_matches_simple_path(demo, prompts64, monkeypatch):
     quantized layers can turn such a difference into another greedy token after a few steps.
     The fp32 test above runs the engine on the kernel."""
     monkeypatch.setenv("BRISK_ATTENTION", "torch")
-    got = run(make_engine(demo), prompts64[:8], GREEDY, wave=1)
+    got = run(make_engine(demo, kv_cache_dtype=SIMPLE_KV), prompts64[:8], GREEDY, wave=1)
     assert got == [list(generate_ids(demo, ids, NUM_TOKENS, ignore_eos=True)) for ids in prompts64[:8]]
 
 
 @pytest.mark.parametrize("wave", [8, 64])
 def test_greedy_batch_invariance(demo_fp32, prompts64, one_at_a_time, wave):
-    assert run(make_engine(demo_fp32), prompts64, GREEDY, wave=wave) == one_at_a_time
+    assert run(make_engine(demo_fp32, kv_cache_dtype=SIMPLE_KV), prompts64, GREEDY, wave=wave) == one_at_a_time
 
 
 def test_greedy_invariance_under_preemption(demo_fp32, prompts64, one_at_a_time):
-    engine = make_engine(demo_fp32, num_blocks=64)  # 1024 slots for 64 sequences of ~60 tokens
+    engine = make_engine(demo_fp32, num_blocks=64, kv_cache_dtype=SIMPLE_KV)  # 1024 slots for 64 sequences of ~60 tokens
     assert run(engine, prompts64, GREEDY) == one_at_a_time
     stats = engine.stats()
     assert stats.num_preemptions > 0

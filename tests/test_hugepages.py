@@ -12,6 +12,7 @@ import torch
 from brisk.engine import hugepages
 from brisk.engine.attention import PagedKVCache
 from brisk.errors import BriskError
+from brisk.kv_dtype import FLOAT32
 
 CPU = torch.device("cpu")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -44,12 +45,12 @@ def test_buffer_is_aligned_and_behaves_as_empty():
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="this kernel has THP disabled")
 def test_written_pool_is_backed_by_huge_pages():
-    cache = PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)  # 16 MiB per tensor
+    cache = PagedKVCache(2, 16 * 2048, 4, 64, FLOAT32, CPU)  # 16 MiB per tensor
     assert cache.k[:, 0].eq(0).all() and cache.v[:, 0].eq(0).all()  # the padding slot, as before
     cache.k.fill_(1.0)
     assert anon_huge_kb(cache.k.data_ptr()) >= 2048, "the written pool holds no huge page"
     if "[madvise]" in THP.read_text():  # huge pages only where asked for: the plain pool has none
-        plain = PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU, huge_pages=False)
+        plain = PagedKVCache(2, 16 * 2048, 4, 64, FLOAT32, CPU, huge_pages=False)
         plain.k.fill_(1.0)
         assert anon_huge_kb(plain.k.data_ptr()) == 0
 
@@ -58,7 +59,7 @@ def test_written_pool_is_backed_by_huge_pages():
                     reason="only under the madvise policy does asking make the difference")
 def test_hugepages_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("BRISK_KV_HUGEPAGES", "off")
-    cache = PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)
+    cache = PagedKVCache(2, 16 * 2048, 4, 64, FLOAT32, CPU)
     cache.k.fill_(1.0)
     assert anon_huge_kb(cache.k.data_ptr()) == 0
 
@@ -66,15 +67,16 @@ def test_hugepages_can_be_turned_off(monkeypatch):
 def test_a_bad_hugepages_setting_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("BRISK_KV_HUGEPAGES", "yes")
     with pytest.raises(BriskError, match="BRISK_KV_HUGEPAGES='yes': expected one of on, off"):
-        PagedKVCache(2, 16 * 2048, 4, 64, torch.float32, CPU)
+        PagedKVCache(2, 16 * 2048, 4, 64, FLOAT32, CPU)
 
 
 RESIDENT_CHECK = """
 import torch
 from brisk.engine import hugepages
 from brisk.engine.attention import PagedKVCache
+from brisk.kv_dtype import FLOAT32
 huge = hugepages.requested()
-cache = PagedKVCache(4, 16384, 2, 64, torch.float32, torch.device("cpu"))  # 2 x 32 MiB
+cache = PagedKVCache(4, 16384, 2, 64, FLOAT32, torch.device("cpu"))  # 2 x 32 MiB
 assert cache.nbytes == 2 * 4 * 16384 * 2 * 64 * 4
 base = cache.resident_bytes()  # slot 0 of each layer is zeroed at creation
 assert base is not None and base <= 2 * 4 * (hugepages.HUGE_PAGE if huge else 4096), base

@@ -151,11 +151,12 @@ def test_cli_plan_with_json_and_plots(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "brisk", "kv-plan", "--num-requests", "150", "--rate", "1",
                            "--memory", "256MiB", "--max-model-len", "2048", "--max-tokens", "1024",
-                           "--block-sizes", "8,16,64", "--json", str(out), "--plot", str(tmp_path / "plots")],
+                           "--block-sizes", "8,16,64", "--kv-dtype", "int8", "--json", str(out),
+                           "--plot", str(tmp_path / "plots")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
-    assert doc["bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, float32 K and V
+    assert doc["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)  # SmolLM2-135M, int8 K and V, a float32 scale per head
     assert doc["capacity_tokens"] == 256 * 2**20 // doc["bytes_per_token"]
     names = [s["strategy"] for s in doc["strategies"]]
     assert any(n.startswith("static") for n in names) and "brisk paged B=16" in names
@@ -168,6 +169,7 @@ def test_cli_plan_with_json_and_plots(tmp_path):
     args = build_parser().parse_args(["serve", *rec["brisk_serve_flags"].split()])
     cache, sched = engine_configs(args, args.max_model_len)
     assert (sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len) == (512, 64, 2048)
+    assert cache.kv_cache_dtype == "int8"
     assert cache.num_blocks(doc["bytes_per_token"], 2048, 0) == rec["num_blocks"]
     static = next(s for s in doc["strategies"] if s["strategy"].startswith("static"))
     paged = next(s for s in doc["strategies"] if s["strategy"] == "brisk paged B=16")

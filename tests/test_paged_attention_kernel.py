@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from brisk.errors import BriskError
 from brisk import kernels
+from brisk.kv_dtype import DTYPES, FLOAT32
 from brisk.models.layers import attend
 from brisk.engine.attention import (AttentionMetadata, KernelPagedAttention, PagedKVCache, PrefillSeq,
                                     TorchPagedAttention, attention_backend, block_tables, context_slots)
@@ -140,10 +141,10 @@ def test_shapes_the_kernel_does_not_take_fall_back_to_torch(lib):
     tables = torch.tensor([[1], [0]], dtype=torch.int32)
     lens = torch.tensor([3, 2], dtype=torch.int32)
     assert kernels.paged_decode_attention(q, k, v, tables, lens, 16, 0.1) is None  # head_dim > 256
-    assert kernels.paged_decode_attention(q[..., :64], k[..., :64].half(), v[..., :64].half(), tables, lens, 16,
-                                          0.1) is None  # float16 cache
+    assert kernels.paged_decode_attention(q[..., :64], k[..., :64].double(), v[..., :64].double(), tables, lens, 16,
+                                          0.1) is None  # a cache of no KV dtype
     meta = AttentionMetadata(torch.tensor([0, 1]), 16, tables, lens, [])
-    cache = PagedKVCache(1, 32, 2, 512, torch.float32, CPU)
+    cache = PagedKVCache(1, 32, 2, 512, FLOAT32, CPU)
     cache.k.normal_()
     cache.v.normal_()
     knew = torch.randn(2, 2, 512)
@@ -163,7 +164,7 @@ def test_kernel_backend_matches_the_torch_backend_on_a_mixed_step(lib):
     outs = []
     for backend in (TorchPagedAttention, KernelPagedAttention):
         torch.manual_seed(0)
-        cache = PagedKVCache(2, blocks * bs, kv_heads, dim, torch.float32, CPU)
+        cache = PagedKVCache(2, blocks * bs, kv_heads, dim, FLOAT32, CPU)
         cache.k.normal_()
         cache.v.normal_()
         new_slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(decode_lens)]
@@ -182,15 +183,14 @@ def test_kernel_backend_matches_the_torch_backend_on_a_mixed_step(lib):
 
 def test_backend_choice(lib, monkeypatch):
     monkeypatch.delenv("BRISK_ATTENTION", raising=False)
-    assert attention_backend(CPU, torch.float32) is KernelPagedAttention
-    assert attention_backend(CPU, torch.bfloat16) is KernelPagedAttention
-    assert attention_backend(CPU, torch.float16) is TorchPagedAttention
-    assert attention_backend(torch.device("cuda"), torch.float32) is TorchPagedAttention
+    for kv in DTYPES.values():  # the kernel reads every KV dtype
+        assert attention_backend(CPU, kv) is KernelPagedAttention
+    assert attention_backend(torch.device("cuda"), FLOAT32) is TorchPagedAttention
     monkeypatch.setenv("BRISK_ATTENTION", "torch")
-    assert attention_backend(CPU, torch.float32) is TorchPagedAttention
+    assert attention_backend(CPU, FLOAT32) is TorchPagedAttention
     monkeypatch.setenv("BRISK_ATTENTION", "fast")
     with pytest.raises(BriskError, match="BRISK_ATTENTION='fast': expected one of auto, torch"):
-        attention_backend(CPU, torch.float32)
+        attention_backend(CPU, FLOAT32)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 100])
@@ -224,7 +224,9 @@ def test_sliding_window_reads_only_the_last_window_positions(lib, window):
         out = kernels.paged_decode_attention(q, k, v, tables, lens, bs, 0.125, part_tokens=part, window=window)
         assert (out.double() - expected).abs().max() < 2e-5, part
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), bs, tables, lens, [], (window,))
-    torch_out = TorchPagedAttention(None, meta, 0.125)._gathered_decode(q, k, v, window)
+    cache = PagedKVCache(1, k.shape[0], kv_heads, dim, FLOAT32, CPU, huge_pages=False)
+    cache.k[0], cache.v[0] = k, v
+    torch_out = TorchPagedAttention(cache, meta, 0.125)._gathered_decode(q, 0, window)
     assert (torch_out.double() - expected).abs().max() < 2e-5
 
 

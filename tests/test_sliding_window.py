@@ -146,7 +146,9 @@ def test_paged_engine_matches_transformers_past_three_windows(which, attention, 
     monkeypatch.setenv("BRISK_ATTENTION", attention)
     path, model = mistral_dir if which == "mistral" else qwen2_dir
     loaded = load(str(path), max_model_len=256, warmup=False)
-    engine = LLMEngine(loaded, CacheConfig(block_size=4, num_gpu_blocks_override=128),
+    # float32 KV: the reference is transformers' float32 to 1e-4 (bf16 KV, this CPU's auto, moves
+    # logprobs by ~2e-4; tests/test_kv_dtypes.py bounds each dtype against float32 KV)
+    engine = LLMEngine(loaded, CacheConfig(block_size=4, num_gpu_blocks_override=128, kv_cache_dtype="float32"),
                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=256))
     prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(9)).tolist()
     engine.add_request(prompt, SamplingParams(max_tokens=SEQ_LEN - 20 + 4, temperature=0, ignore_eos=True,

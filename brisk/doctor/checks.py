@@ -701,6 +701,9 @@ def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
             x for x in (f"usage up to {max_kv:.0%}" if max_kv is not None else "",
                         f"{preemptions:.0f} preemptions" if preemptions is not None else "") if x))
         fixes += ["give the KV cache more memory (brisk --kv-cache-memory, vLLM --gpu-memory-utilization)",
+                  "store the KV cache in fewer bytes per element: brisk --kv-cache-dtype int8 or fp8 (1 byte; "
+                  "brisk:kv_cache_dtype says what it uses now), vLLM --kv-cache-dtype fp8, llama.cpp -ctk q8_0 "
+                  "-ctv q8_0 (-fa on)",
                   "lower --max-num-seqs so admitted requests are not preempted",
                   "enable prefix caching for shared system prompts"]
     elif knee is not None:

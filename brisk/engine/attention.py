@@ -15,6 +15,8 @@ import torch
 from brisk import kernels, switches
 from brisk.kernels import fused
 from brisk.engine import hugepages
+from brisk.kernels import kv_codec
+from brisk.kv_dtype import KVDtype
 from brisk.models.layers import attend
 
 log = logging.getLogger("brisk.attention")
@@ -96,27 +98,58 @@ def context_slots(tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
 
 
 class PagedKVCache:
+    """The pool: per layer, K and V [num_slots, num_kv_heads, head_dim] of one element type
+    (brisk/kv_dtype.py), and for int8 their scales [num_slots, num_kv_heads] float32. Writes
+    convert on the way in; the compiled kernel reads every type in place."""
+
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, huge_pages: bool = True):
+                 kv_dtype: KVDtype, device: torch.device, huge_pages: bool = True):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.dtype = kv_dtype
+        storage = kv_codec.storage_dtype(kv_dtype)
         # NOTE: empty, not zeros: the OS maps pages only when a block is first written, so a
         # large pool costs nothing at start. Only slot 0 is read before being written (it pads
         # the decode batch, masked out), and it must hold finite values. On CPU the pool asks for
         # 2 MB pages (brisk/engine/hugepages.py): decode attention jumps between blocks.
-        self.k = hugepages.empty(shape, dtype, device, huge=huge_pages)
-        self.v = hugepages.empty(shape, dtype, device, huge=huge_pages)
-        self.k[:, 0].zero_()
-        self.v[:, 0].zero_()
+        self.k = hugepages.empty(shape, storage, device, huge=huge_pages)
+        self.v = hugepages.empty(shape, storage, device, huge=huge_pages)
+        self.k_scale = self.v_scale = None
+        if kv_dtype.scaled:
+            self.k_scale = hugepages.empty(shape[:3], torch.float32, device, huge=huge_pages)
+            self.v_scale = hugepages.empty(shape[:3], torch.float32, device, huge=huge_pages)
+        for t in self._tensors():
+            t[:, 0].zero_()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, kv_heads, head_dim] into slots [T] of the layer, converted."""
+        fused.store_kv(k, v, self.k[layer], self.v[layer], slots, self.dtype, *self.scales(layer))
+
+    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V at `slots`, widened to `dtype`: [len(slots), kv_heads, head_dim] each."""
+        k_scale, v_scale = self.scales(layer)
+        keys = kv_codec.decode(self.k[layer].index_select(0, slots),
+                               None if k_scale is None else k_scale.index_select(0, slots), self.dtype, dtype)
+        values = kv_codec.decode(self.v[layer].index_select(0, slots),
+                                 None if v_scale is None else v_scale.index_select(0, slots), self.dtype, dtype)
+        return keys, values
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def resident_bytes(self) -> int | None:
         """How much of the pool is in memory now (pages are mapped on first write); None where
         the OS cannot say."""
-        k, v = hugepages.resident_bytes(self.k), hugepages.resident_bytes(self.v)
-        return None if k is None or v is None else k + v
+        counts = [hugepages.resident_bytes(t) for t in self._tensors()]
+        return None if any(c is None for c in counts) else sum(counts)
 
 
 class TorchPagedAttention:
@@ -130,8 +163,7 @@ class TorchPagedAttention:
         # step and shared by every layer with that window
         self._decode_slots: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         window: int | None) -> torch.Tensor:
+    def _gathered_decode(self, q: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
         meta = self.meta
         if window not in self._decode_slots:
             if window is None:
@@ -141,32 +173,30 @@ class TorchPagedAttention:
             self._decode_slots[window] = built
         slots, mask = self._decode_slots[window]
         n = meta.num_decodes
-        shape = (n, -1, k_cache.shape[1], k_cache.shape[2])
+        keys, values = self.cache.gather(layer, slots, q.dtype)
+        shape = (n, -1, keys.shape[1], keys.shape[2])
         # [n, num_kv_heads, max_context, head_dim]
-        keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
+        keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         query = q.unsqueeze(2)  # [n, num_heads, 1, head_dim]
         attn = attend(query, keys, values, mask, False, self.scale, self.softcap)
         return attn.reshape(n, -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                window: int | None) -> torch.Tensor:
-        return self._gathered_decode(q, k_cache, v_cache, window)
+    def _decode(self, q: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
+        return self._gathered_decode(q, layer, window)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         window = meta.window(layer)
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        fused.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.cache.store(layer, k, v, meta.slot_mapping)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = self._decode(q[:n], k_cache, v_cache, window)
+            out[:n] = self._decode(q[:n], layer, window)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.num_query)
             # [1, num_kv_heads, S, head_dim]
-            keys = k_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
-            values = v_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
+            keys, values = self.cache.gather(layer, seq.context_slots, q.dtype)
+            keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
             query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, L, head_dim]
             mask = None
             if seq.first_position > 0 or window is not None:
@@ -186,23 +216,22 @@ class KernelPagedAttention(TorchPagedAttention):
     quadratic math, not the copy) unless they are laid out as decode rows (batch-invariant mode,
     the default), which the kernel then walks in tiles of consecutive positions."""
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                window: int | None) -> torch.Tensor:
-        meta = self.meta
-        out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens,
-                                             meta.block_size, self.scale, window=window, softcap=self.softcap)
+    def _decode(self, q: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
+        meta, cache = self.meta, self.cache
+        out = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens,
+                                             meta.block_size, self.scale, window=window, softcap=self.softcap,
+                                             kv_dtype=cache.dtype, scales=cache.scales(layer))
         if out is None:  # a shape the kernel does not take
-            return self._gathered_decode(q, k_cache, v_cache, window)
+            return self._gathered_decode(q, layer, window)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def attention_backend(device: torch.device, dtype: torch.dtype) -> type[TorchPagedAttention]:
-    """The compiled kernel on CPU for float32/bfloat16 KV when it is built, else the torch path.
+def attention_backend(device: torch.device, kv_dtype: KVDtype) -> type[TorchPagedAttention]:
+    """The compiled kernel on CPU (every KV dtype) when it is built, else the torch path.
     BRISK_ATTENTION=torch forces the torch path (to compare, or to rule the kernel out)."""
     choice = switches.choice("BRISK_ATTENTION")
-    if (choice == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and kernels.library() is not None):
-        log.info("paged attention: compiled CPU kernel (%s)", kernels.attention_isa())
+    if choice == "auto" and device.type == "cpu" and kernels.library() is not None:
+        log.info("paged attention: compiled CPU kernel (%s, %s KV)", kernels.attention_isa(), kv_dtype.name)
         return KernelPagedAttention
     log.info("paged attention: torch (gather + SDPA)")
     return TorchPagedAttention

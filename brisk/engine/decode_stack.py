@@ -77,8 +77,8 @@ class DecodeStack:
             reason = f"model class {type(model).__name__}"
         elif not cfg.llama_like:
             reason = f"{cfg.architecture}'s block is not Llama's"
-        elif not all(_f32_vector(k) and _f32_vector(v) for k, v in zip(kv.k, kv.v)):
-            reason = "KV cache is not float32 on the CPU"
+        elif kv.k.device.type != "cpu" or kernels.kv_code(kv.k, kv.dtype) is None:
+            reason = "KV cache is not on the CPU"
         if reason is None:
             layers = []
             for i, layer in enumerate(model.model.layers):
@@ -93,15 +93,17 @@ class DecodeStack:
                     reason = f"layer {i}'s norms are not float32"
                     break
                 window = cfg.layer_windows[i] if cfg.layer_windows else None
+                k_scale, v_scale = kv.scales(i)
                 layers.append(abi.Layer(*weights, norms[0].data_ptr(), norms[1].data_ptr(), kv.k[i].data_ptr(),
-                                     kv.v[i].data_ptr(), window or 0))
+                                        kv.v[i].data_ptr(), None if k_scale is None else k_scale.data_ptr(),
+                                        None if v_scale is None else v_scale.data_ptr(), window or 0))
             if reason is None and not _f32_vector(model.model.norm.weight):
                 reason = "final norm is not float32"
         if reason is not None:
             log.info("decode steps: layer by layer from Python (%s)", reason)
             return None
         dims = abi.Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rotary.rotary_dim,
-                     cfg.intermediate_size, 0, block_size, kernels.PART_TOKENS, cfg.rms_norm_eps, scale)
+                     cfg.intermediate_size, kv.dtype.code, block_size, kernels.PART_TOKENS, cfg.rms_norm_eps, scale)
         log.info("decode steps: the whole decoder stack in one compiled call")
         return cls(lib, model, layers, dims)
 

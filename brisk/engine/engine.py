@@ -24,6 +24,7 @@ from brisk.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfig
 from brisk.engine.spec_decode.drafter import NgramDrafter
 from brisk.engine.stats import EngineStats, SpecStats
 from brisk.errors import BriskError, ParamError
+from brisk.kv_dtype import resolve as resolve_kv_dtype
 from brisk.loading.loader import LoadedModel
 from brisk.structured.tools import ToolCallParser
 
@@ -56,15 +57,18 @@ class LLMEngine:
         if self.scheduler_config.max_model_len > loaded.max_model_len:
             raise BriskError(f"max_model_len {self.scheduler_config.max_model_len} exceeds the model's "
                              f"{loaded.max_model_len}")
-        bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype.itemsize)
+        self.kv_dtype = resolve_kv_dtype(self.cache_config.kv_cache_dtype, str(loaded.dtype).removeprefix("torch."),
+                                         str(loaded.device))
+        bytes_per_token = loaded.config.kv_bytes_per_token(self.kv_dtype)
         if draft is not None and speculative is not None and speculative.method == "draft_model":
-            # the draft keeps its own K/V for every slot of the pool: the budget holds both
-            bytes_per_token += draft.config.kv_bytes_per_token(draft.dtype.itemsize)
+            # the draft keeps its own K/V, in the same dtype, for every slot of the pool: the budget holds both
+            bytes_per_token += draft.config.kv_bytes_per_token(self.kv_dtype)
         self.num_blocks = self.cache_config.num_blocks(bytes_per_token, self.scheduler_config.max_model_len,
                                                        available_memory(loaded.device))
         bs = self.cache_config.block_size
-        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB), %.1f max-length (%d) sequences",
-                 self.num_blocks, bs, self.num_blocks * bs, self.num_blocks * bs * bytes_per_token / 2**20,
+        log.info("KV cache: %s, %d blocks of %d tokens = %d tokens (%.0f MiB), %.1f max-length (%d) sequences",
+                 self.kv_dtype.name, self.num_blocks, bs, self.num_blocks * bs,
+                 self.num_blocks * bs * bytes_per_token / 2**20,
                  self.num_blocks * bs / self.scheduler_config.max_model_len, self.scheduler_config.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, bs, self.cache_config.enable_prefix_caching,
                                  loaded.config.kv_window)
@@ -75,7 +79,7 @@ class LLMEngine:
                      "; blocks out of the window are freed" if loaded.config.kv_window else
                      " (full-attention layers keep every block)")
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.runner = ModelRunner(loaded, self.num_blocks, bs, seed, batch_invariant=batch_invariant)
+        self.runner = ModelRunner(loaded, self.num_blocks, bs, self.kv_dtype, seed, batch_invariant=batch_invariant)
         if self.runner.batch_invariant:
             log.info("batch-invariant: greedy output depends on the request only, not on the batch or the "
                      "prefix cache (--no-batch-invariant: prompt chunks take SDPA instead)")
@@ -97,7 +101,7 @@ class LLMEngine:
                                              "loaded (LLMEngine(draft=...))")
             from brisk.engine.spec_decode.draft_model import DraftModelProposer
 
-            self.drafter = DraftModelProposer(speculative, loaded, draft, self.num_blocks, bs,
+            self.drafter = DraftModelProposer(speculative, loaded, draft, self.num_blocks, bs, self.kv_dtype,
                                               self.scheduler_config.max_model_len, self.runner.sampler.generator_of)
             log.info("speculative decoding: draft model %s (%d layers), %d tokens, off above %d running requests",
                      speculative.model, draft.config.num_layers, speculative.num_speculative_tokens,
@@ -328,4 +332,5 @@ class LLMEngine:
             spec_draft_tokens=self.spec_stats.num_drafted, spec_accepted_tokens=self.spec_stats.num_accepted,
             spec_acceptance_lengths=tuple(self.spec_stats.acceptance_lengths),
             kv_cache_bytes=self.runner.kv.nbytes, kv_cache_resident_bytes=self.runner.kv.resident_bytes() or 0,
+            kv_cache_dtype=self.kv_dtype.name,
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 from brisk import argtypes
 from brisk.config import DEFAULT_BLOCK_SIZE, QUANTIZATION_CHOICES
 from brisk.errors import BriskError
+from brisk.kv_dtype import CHOICES as KV_CHOICES, parse_name as kv_dtype_name, resolve as resolve_kv_dtype
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -44,8 +45,10 @@ def add_engine_args(p) -> None:
     memory.add_argument("--gpu-memory-utilization", type=argtypes.number(), default=None, metavar="FRACTION",
                         help="vLLM's flag: the KV cache takes this fraction of the device's free memory once the "
                              "weights are loaded (on CPU: of available RAM), in (0, 0.95]")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="auto: the model's dtype (the only one brisk stores; fp8 is refused)")
+    p.add_argument("--kv-cache-dtype", default="auto", type=kv_dtype_name, metavar="{" + ",".join(KV_CHOICES) + "}",
+                   help="the KV cache's element type (vLLM's names). auto: bfloat16 on CPUs with AVX-512 BF16 "
+                        "when the model computes in float32, else the model's dtype. fp8 = fp8_e4m3; int8 keeps "
+                        "one scale per token and KV head (like llama.cpp's q8_0)")
     p.add_argument("--block-size", type=argtypes.positive, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=argtypes.positive, default=SchedulerConfig.max_num_seqs,
                    help=f"sequences batched per step (default {SchedulerConfig.max_num_seqs})")
@@ -114,14 +117,15 @@ def engine_configs(args: argparse.Namespace, max_model_len: int):
     from brisk.config import CacheConfig, parse_memory
     from brisk.engine.scheduler import SchedulerConfig
 
-    if args.kv_cache_dtype != "auto":
-        raise BriskError(f"--kv-cache-dtype {args.kv_cache_dtype}: brisk stores the KV cache in the model's dtype "
-                         "only (fp8 KV is not implemented); use --kv-cache-dtype auto")
+    if args.kv_cache_dtype != "auto":  # the CPU can read it (raises before anything loads)
+        device = getattr(args, "device", None) or "auto"
+        resolve_kv_dtype(args.kv_cache_dtype, "float32", "cpu" if device == "auto" else device)
     try:
         memory = parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None
         fraction = {} if args.gpu_memory_utilization is None else {"kv_cache_fraction": args.gpu_memory_utilization}
         cache = CacheConfig(block_size=args.block_size, kv_cache_memory=memory,
-                            enable_prefix_caching=args.enable_prefix_caching, **fraction)
+                            enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                            **fraction)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=max_model_len)
     except ValueError as e:
@@ -161,7 +165,7 @@ def build_engine(args: argparse.Namespace, loaded):
 
         # the target's device, dtype and quantization; positions up to the target's context
         draft = load(speculative.model, device=str(loaded.device), dtype=args.dtype, quantization=args.quantization,
-                     max_model_len=loaded.max_model_len, warmup=False)
+                     max_model_len=loaded.max_model_len, warmup=False, kv_cache_dtype=args.kv_cache_dtype)
     return LLMEngine(loaded, cache, sched, seed=getattr(args, "seed", None) or 0, speculative=speculative,
                      draft=draft, batch_invariant=args.batch_invariant)
 
@@ -187,11 +191,13 @@ def _load_async_engine(args: argparse.Namespace, max_model_len: int, chat_templa
         from brisk.engine.async_engine import AsyncLLMEngine
         from brisk.loading.loader import load
     loaded = load(source or args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
-                  quantization=args.quantization, report=report)
+                  quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype)
     if chat_template is not None:
         loaded.tokenizer.set_chat_template(chat_template)
     with report.phase("engine"):
-        engine = AsyncLLMEngine(build_engine(args, loaded))
+        built = build_engine(args, loaded)
+        report.kv_cache_dtype = built.kv_dtype.name
+        engine = AsyncLLMEngine(built)
     for line in report.lines():
         logging.getLogger("brisk.server").info("%s", line)
     return engine

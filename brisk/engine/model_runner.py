@@ -17,6 +17,7 @@ from brisk.engine.request import Request
 from brisk.engine.sampler import Sampler, SamplerOutput
 from brisk.engine.scheduler import ScheduledChunk
 from brisk.errors import BriskError
+from brisk.kv_dtype import KVDtype
 from brisk.loading.loader import LoadedModel
 
 
@@ -33,7 +34,7 @@ class ModelRunner:
     None: on where the kernel runs, else off (with a log line saying so); True: an error where
     the kernel does not run."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: KVDtype, seed: int = 0,
                  batch_invariant: bool | None = None):
         cfg = loaded.config
         self.loaded = loaded
@@ -41,17 +42,16 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
-                               loaded.dtype, loaded.device)
+                               kv_dtype, loaded.device)
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
-        self.attention = attention_backend(torch.device(loaded.device), loaded.dtype)
+        self.attention = attention_backend(torch.device(loaded.device), kv_dtype)
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
         self.decode_stack = (DecodeStack.build(self.model, self.kv, self.scale, block_size)
                              if self.attention is KernelPagedAttention else None)
         kernel = self.attention is KernelPagedAttention
         if batch_invariant and not kernel:
-            raise BriskError("--batch-invariant needs brisk's compiled paged attention kernel (CPU, float32 or "
-                             "bfloat16 KV, built by `make`; not with BRISK_ATTENTION=torch); drop the flag to run "
-                             "without it")
+            raise BriskError("--batch-invariant needs brisk's compiled paged attention kernel (CPU, built by "
+                             "`make`; not with BRISK_ATTENTION=torch); drop the flag to run without it")
         self.batch_invariant = kernel if batch_invariant is None else batch_invariant
         self.decode_tables = PersistentBlockTables(-(-loaded.max_model_len // block_size))
 

@@ -30,6 +30,7 @@ class EngineStats:
     # resident memory grows until every block has been written once); 0 where unknown
     kv_cache_bytes: int = 0
     kv_cache_resident_bytes: int = 0
+    kv_cache_dtype: str = ""  # brisk/kv_dtype.py's name of the pool's element type
 
     def to_dict(self) -> dict:
         return asdict(self)

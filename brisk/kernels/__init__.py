@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from brisk import switches
-from brisk.kernels import abi
+from brisk.kv_dtype import DTYPES, KVDtype
+from brisk.kernels import abi, kv_codec
 from brisk.kernels.build import SOURCES, build, source_tag
 
 log = logging.getLogger("brisk.kernels")
@@ -112,31 +113,57 @@ def attention_isa() -> str:
 PART_TOKENS = 512  # context positions per work item; a row's parts are merged at the end
 
 
+def kv_code(cache: torch.Tensor, kv_dtype: KVDtype | None) -> int | None:
+    """The kernels' code for a cache tensor holding `kv_dtype` (None: a float cache's own dtype),
+    or None where the tensor does not hold what the code names."""
+    if kv_dtype is None:
+        name = kv_codec.float_kv_name(cache.dtype)
+        kv_dtype = DTYPES.get(name) if name else None
+    if kv_dtype is None or cache.dtype != kv_codec.storage_dtype(kv_dtype):
+        return None
+    return kv_dtype.code
+
+
+def scale_pointers(kv_dtype, scales, k_cache: torch.Tensor) -> tuple[int | None, int | None] | None:
+    """int8's scale arrays' addresses ([slots, kv_heads] float32 each), (None, None) for other
+    dtypes, or None where they are missing or malformed."""
+    if kv_dtype is None or not kv_dtype.scaled:
+        return None, None
+    if scales is None or any(t is None or t.dtype != torch.float32 or not t.is_contiguous()
+                             or t.shape != k_cache.shape[:2] for t in scales):
+        return None
+    return scales[0].data_ptr(), scales[1].data_ptr()
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, part_tokens: int = PART_TOKENS, window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor | None:
+                           softcap: float | None = None, kv_dtype: KVDtype | None = None,
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """One query per row attending to its context through its block table, in place in the cache
     (with `window`: to the row's last `window` positions only; with `softcap`: Gemma 2's capped
     scores, softcap * tanh(score / softcap)). Consecutive rows that are one sequence's consecutive
     positions (a prompt chunk laid out as decode rows) walk their context together, in tiles; each
     row's result is bit for bit the one it gets alone.
 
-    q [rows, heads, dim]; k_cache/v_cache [slots, kv_heads, dim] float32 or bfloat16 (contiguous);
-    block_tables [rows, max_blocks] int32; context_lens [rows] int32. Returns [rows, heads * dim]
-    float32, or None where the kernel does not apply (no library, not CPU, another dtype or shape):
-    the caller then runs the torch path."""
+    q [rows, heads, dim]; k_cache/v_cache [slots, kv_heads, dim] (contiguous) holding `kv_dtype`
+    (brisk/kv_dtype.py; None: the float dtype the tensors have), with int8's `scales` (k, v)
+    [slots, kv_heads] float32; block_tables [rows, max_blocks] int32; context_lens [rows] int32.
+    Returns [rows, heads * dim] float32, or None where the kernel does not apply (no library, not
+    CPU, another dtype or shape): the caller then runs the torch path."""
     lib = library()
-    if (lib is None or q.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
-            or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+    code = kv_code(k_cache, kv_dtype)
+    pointers = scale_pointers(kv_dtype, scales, k_cache)
+    if (lib is None or q.device.type != "cpu" or code is None or pointers is None or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return None
     rows, heads, dim = q.shape
     qf = q.float().contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
-    code = lib.brisk_paged_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                            int(k_cache.dtype == torch.bfloat16), tables.data_ptr(),
+    code = lib.brisk_paged_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code,
+                                            *pointers, tables.data_ptr(),
                                             tables.shape[1], lens.data_ptr(), rows, heads, k_cache.shape[1],
                                             dim, block_size, scale, part_tokens, window or 0, softcap or 0.0,
                                             out.data_ptr())

@@ -16,12 +16,13 @@ class QuantWeight(ctypes.Structure):  # BriskQuantWeight
 
 class Layer(ctypes.Structure):  # BriskLayer
     _fields_ = [("qkv", QuantWeight), ("o", QuantWeight), ("gate_up", QuantWeight), ("down", QuantWeight),
-                ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("window", _i64)]
+                ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
+                ("window", _i64)]
 
 
 class Dims(ctypes.Structure):  # BriskDims
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rot_dim", _i64),
-                ("inter", _i64), ("kv_bf16", _i64), ("block_size", _i64), ("part_tokens", _i64),
+                ("inter", _i64), ("kv_dtype", _i64), ("block_size", _i64), ("part_tokens", _i64),
                 ("eps", _f32), ("scale", _f32)]
 
 
@@ -34,14 +35,15 @@ SIGNATURES = {
     "brisk_quant_matmul": ([_p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p], None),
     "brisk_kernels_isa": ([], _i32),
     "brisk_kernels_force_isa": ([_i32], None),
-    "brisk_paged_decode_attention": ([_p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _i64,
-                                      _f32, _p], _i32),
+    "brisk_paged_decode_attention": ([_p, _p, _p, _i32, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32,
+                                      _i64, _i64, _f32, _p], _i32),
     "brisk_paged_attention_isa": ([], _i32),
     "brisk_paged_attention_force_isa": ([_i32], None),
+    "brisk_paged_attention_staged": ([_i32], _i32),
     "brisk_rms_norm": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
     "brisk_silu_mul": ([_p, _p, _i64, _i64], None),
     "brisk_rope": ([_p, _i64, _p, _p, _i64, _i64, _i64, _i64], None),
-    "brisk_store_kv": ([_p, _p, _i64, _p, _p, _p, _i32, _i64, _i64], None),
+    "brisk_store_kv": ([_p, _p, _i64, _p, _p, _p, _p, _p, _i32, _i64, _i64, _i64], None),
     "brisk_decode_stack": ([ctypes.POINTER(Layer), _i64, ctypes.POINTER(Dims), _p, _p, _p, _p, _p, _p, _i64, _p, _i64,
                             ctypes.POINTER(Scratch), _p], _i32),
 }

@@ -21,14 +21,16 @@ struct BriskLayer {
     BriskQuantWeight qkv, o, gate_up, down;
     const float* input_norm;  // weights [hidden]
     const float* post_norm;
-    void* k_cache;  // [slots, kv_heads, head_dim], float32 or bfloat16
+    void* k_cache;  // [slots, kv_heads, head_dim] of the kv_dtype (kv_types.h)
     void* v_cache;
+    float* k_scale;  // int8: [slots, kv_heads]; else null
+    float* v_scale;
     int64_t window;  // sliding window, 0: none
 };
 
 struct BriskDims {
     int64_t hidden, heads, kv_heads, head_dim, rot_dim, inter;
-    int64_t kv_bf16, block_size, part_tokens;
+    int64_t kv_dtype, block_size, part_tokens;  // kv_dtype: kv_types.h's code
     float eps, scale;
 };
 
@@ -47,13 +49,16 @@ int brisk_kernels_isa();
 void brisk_kernels_force_isa(int isa);
 
 // paged_attention.cpp: 0, or a nonzero code for a shape the kernel does not take.
-int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
-                                 const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_dtype,
+                                 const float* k_scale, const float* v_scale, const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t part_tokens, int64_t window,
                                  float softcap, float* out);
 int brisk_paged_attention_isa();
 void brisk_paged_attention_force_isa(int isa);
+// staging of narrow K/V runs: 0 never, 1 tiles only (default), 2 always (the same bits in every mode);
+// returns the previous mode (any other value: only read it)
+int brisk_paged_attention_staged(int mode);
 
 // fused_ops.cpp
 void brisk_rms_norm(const float* x, float* residual, const float* w, float* out, int64_t rows, int64_t dim,
@@ -62,7 +67,8 @@ void brisk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inte
 void brisk_rope(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t rows, int64_t heads,
                 int64_t head_dim, int64_t rot_dim);
 void brisk_store_kv(const float* k, const float* v, int64_t src_stride, const int64_t* slots, void* k_cache,
-                    void* v_cache, int bf16, int64_t rows, int64_t width);
+                    void* v_cache, float* k_scale, float* v_scale, int kv_dtype, int64_t rows, int64_t kv_heads,
+                    int64_t head_dim);
 
 // decoder.cpp: 0, or the paged kernel's nonzero code (checked before anything is written).
 int brisk_decode_stack(const BriskLayer* layers, int64_t num_layers, const BriskDims* dims, const float* final_norm,

@@ -54,10 +54,11 @@ int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims
         const Layer& L = layers[l];
         matmul(L.qkv, s.x, rows, s, s.qkv);
         brisk_rope(s.qkv, qkv_n, cos, sin, rows, d.heads + d.kv_heads, d.head_dim, d.rot_dim);
-        brisk_store_kv(s.qkv + q_size, s.qkv + q_size + kv_size, qkv_n, slots, L.k_cache, L.v_cache,
-                       (int)d.kv_bf16, rows, kv_size);
+        brisk_store_kv(s.qkv + q_size, s.qkv + q_size + kv_size, qkv_n, slots, L.k_cache, L.v_cache, L.k_scale,
+                       L.v_scale, (int)d.kv_dtype, rows, d.kv_heads, d.head_dim);
         for (int64_t r = 0; r < rows; r++) std::memcpy(s.q + r * q_size, s.qkv + r * qkv_n, q_size * sizeof(float));
-        const int code = brisk_paged_decode_attention(s.q, L.k_cache, L.v_cache, (int)d.kv_bf16, block_tables,
+        const int code = brisk_paged_decode_attention(s.q, L.k_cache, L.v_cache, (int)d.kv_dtype, L.k_scale,
+                                                      L.v_scale, block_tables,
                                                       max_blocks, context_lens, rows, d.heads, d.kv_heads,
                                                       d.head_dim, d.block_size, d.scale, d.part_tokens, L.window,
                                                       0.f, s.attn);

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from brisk.kernels import library
+from brisk.kernels import kv_code, kv_codec, library, scale_pointers
+from brisk.kv_dtype import DTYPES, KVDtype
 
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
@@ -83,19 +84,28 @@ def reference_rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tenso
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_dtype: KVDtype | None = None, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """k, v [T, kv_heads, head_dim] (views into one row-major buffer, same row stride) into the
-    cache's slots [num_slots, kv_heads, head_dim] at slot_mapping [T]."""
+    cache's slots [num_slots, kv_heads, head_dim] at slot_mapping [T], converted to `kv_dtype`
+    (None: the cache's float dtype); int8 writes each (token, head) row's scale into k_scale /
+    v_scale [num_slots, kv_heads]. The compiled store and the torch one (kv_codec.encode) agree
+    bit for bit."""
     lib = library()
-    width = k.shape[1] * k.shape[2]
-    if (lib is not None and k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
+    code = kv_code(k_cache, kv_dtype)
+    pointers = scale_pointers(kv_dtype, (k_scale, v_scale), k_cache)
+    if (lib is not None and code is not None and pointers is not None and k.device.type == "cpu"
+            and k.dtype == torch.float32 and v.dtype == torch.float32
             and k.stride(0) == v.stride(0) and k.stride(2) == 1 and k.stride(1) == k.shape[2]
             and v.stride(2) == 1 and v.stride(1) == v.shape[2]
-            and k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
         lib.brisk_store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(), k_cache.data_ptr(),
-                           v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), k.shape[0], width)
+                           v_cache.data_ptr(), *pointers, code, k.shape[0], k.shape[1], k.shape[2])
         return
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    kv_dtype = kv_dtype or DTYPES[kv_codec.float_kv_name(k_cache.dtype)]
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        stored, scale = kv_codec.encode(x, kv_dtype)
+        cache.index_copy_(0, slot_mapping, stored)
+        if scale is not None:
+            scales.index_copy_(0, slot_mapping, scale)

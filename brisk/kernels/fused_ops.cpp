@@ -5,13 +5,15 @@
 //                      (the residual add fused in front of the norm, as vLLM's fused_add_rms_norm)
 //   brisk_silu_mul     out = silu(gate) * up, gate_up = [gate | up] per row
 //   brisk_rope         rotate-half RoPE in place on the q and k heads of a row (HF's layout)
-//   brisk_store_kv     this step's K/V rows into their cache slots (float32 or bfloat16 cache)
+//   brisk_store_kv     this step's K/V rows into their cache slots, converted to the cache's element
+//                      type (kv_types.h: float32, bfloat16, float16, fp8 e4m3/e5m2, scaled int8)
 // float32 only; PyTorch runs the same math elsewhere (brisk/models/fused.py holds both, and the
 // tests hold these to it). Each row is computed by one thread with the same code whatever the
 // number of rows, so a row's result does not depend on the batch.
 // Built with the other kernels into _kernels.so; `target_clones` compiles an AVX2 version
 // beside the baseline one and the loader picks it on CPUs that have it.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +21,7 @@
 
 #include "simd_avx2.h"
 #include "brisk_abi.h"
+#include "kv_types.h"
 
 namespace {
 
@@ -105,23 +108,41 @@ CLONES void rope_rows(float* x, int64_t row_stride, const float* cos, const floa
     }
 }
 
-inline uint16_t bf16_round(float f) {  // round to nearest even, as PyTorch converts; NaN stays NaN
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
+template <typename T, T (*Convert)(float)>
+void convert_row(const float* s, void* cache, int64_t slot, int64_t width) {
+    T* d = static_cast<T*>(cache) + slot * width;
+    for (int64_t i = 0; i < width; i++) d[i] = Convert(s[i]);
 }
 
-void store_rows(const float* src, int64_t src_stride, const int64_t* slots, void* cache, int bf16,
-                int64_t rows, int64_t width) {
+// one (token, head) row of int8: scale = max |x| / 127, q = round-half-even(x / scale) (all zeros:
+// scale 0, q 0); division, not a reciprocal multiply, so that torch's x / scale gives the same q
+void int8_row(const float* s, int8_t* d, float* scale, int64_t dim) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < dim; i++) amax = std::max(amax, std::fabs(s[i]));
+    const float sc = amax / 127.f;
+    *scale = sc;
+    for (int64_t i = 0; i < dim; i++) {
+        const float q = sc > 0.f ? std::nearbyint(s[i] / sc) : 0.f;
+        d[i] = (int8_t)std::min(127.f, std::max(-127.f, q));
+    }
+}
+
+void store_rows(const float* src, int64_t src_stride, const int64_t* slots, void* cache, float* scales,
+                int kv_dtype, int64_t rows, int64_t kv_heads, int64_t head_dim) {
+    const int64_t width = kv_heads * head_dim;
     for (int64_t r = 0; r < rows; r++) {
         const float* s = src + r * src_stride;
-        if (bf16) {
-            uint16_t* d = (uint16_t*)cache + slots[r] * width;
-            for (int64_t i = 0; i < width; i++) d[i] = bf16_round(s[i]);
-        } else {
-            std::memcpy((float*)cache + slots[r] * width, s, width * sizeof(float));
+        switch (kv_dtype) {
+            case kvt::F32: std::memcpy((float*)cache + slots[r] * width, s, width * sizeof(float)); break;
+            case kvt::BF16: convert_row<uint16_t, kvt::f32_to_bf16>(s, cache, slots[r], width); break;
+            case kvt::F16: convert_row<uint16_t, kvt::f32_to_f16>(s, cache, slots[r], width); break;
+            case kvt::E4M3: convert_row<uint8_t, kvt::f32_to_e4m3>(s, cache, slots[r], width); break;
+            case kvt::E5M2: convert_row<uint8_t, kvt::f32_to_e5m2>(s, cache, slots[r], width); break;
+            case kvt::I8:
+                for (int64_t h = 0; h < kv_heads; h++)
+                    int8_row(s + h * head_dim, (int8_t*)cache + slots[r] * width + h * head_dim,
+                             scales + slots[r] * kv_heads + h, head_dim);
+                break;
         }
     }
 }
@@ -149,11 +170,13 @@ void brisk_rope(float* x, int64_t row_stride, const float* cos, const float* sin
 }
 
 // k, v: row r at k + r * src_stride ([width] floats); slots: [rows] int64;
-// k_cache, v_cache: [slots, width] float32 (bf16 == 0) or bfloat16 (bf16 == 1).
+// k_cache, v_cache: [slots, kv_heads * head_dim] of the kv_dtype (kv_types.h), converted on the way
+// in; k_scale, v_scale: int8 only, [slots, kv_heads] (null otherwise).
 void brisk_store_kv(const float* k, const float* v, int64_t src_stride, const int64_t* slots, void* k_cache,
-                    void* v_cache, int bf16, int64_t rows, int64_t width) {
-    store_rows(k, src_stride, slots, k_cache, bf16, rows, width);
-    store_rows(v, src_stride, slots, v_cache, bf16, rows, width);
+                    void* v_cache, float* k_scale, float* v_scale, int kv_dtype, int64_t rows, int64_t kv_heads,
+                    int64_t head_dim) {
+    store_rows(k, src_stride, slots, k_cache, k_scale, kv_dtype, rows, kv_heads, head_dim);
+    store_rows(v, src_stride, slots, v_cache, v_scale, kv_dtype, rows, kv_heads, head_dim);
 }
 
 }  // extern "C"

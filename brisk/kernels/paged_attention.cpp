@@ -3,7 +3,9 @@
 // (no gathered copy of the context, unlike the torch reference in brisk/engine/attention.py).
 //
 // Layout (what brisk.engine.attention.PagedKVCache holds per layer):
-//   k_cache, v_cache  [num_slots, num_kv_heads, head_dim], float32 or bfloat16; slot = block * bs + offset
+//   k_cache, v_cache  [num_slots, num_kv_heads, head_dim] of one element type (kv_types.h: float32,
+//                     bfloat16, float16, fp8 e4m3/e5m2, int8); slot = block * bs + offset
+//   k_scale, v_scale  int8 only: [num_slots, num_kv_heads] float32, each (token, head) row's scale
 //   q                 [rows, num_heads, head_dim] float32
 //   block_tables      [rows, max_blocks] int32; context_lens [rows] int32 (>= 1)
 //   out               [rows, num_heads * head_dim] float32
@@ -15,21 +17,27 @@
 // weighted V sum); the parts of a row are then merged ("flash decoding"). Splitting the context
 // keeps every core busy when few rows are long.
 //
+// Narrow elements are widened to float32 in registers as they are loaded (no dequantized copy);
+// an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements.
+//
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py). An AVX-512 item loop (head_dim a
-// multiple of 16) or an AVX2+FMA one (a multiple of 8) is picked at run time; other CPUs and shapes
-// take the portable loop.
+// multiple of 16) or an AVX2+FMA+F16C one (a multiple of 8) is picked at run time; other CPUs and
+// shapes take the portable loop.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 #include <omp.h>
 
 #include "simd_avx2.h"
 #include "brisk_abi.h"
+#include "kv_types.h"
 
 namespace {
 
@@ -41,6 +49,8 @@ struct Args {
     const float* q;
     const void* k_cache;
     const void* v_cache;
+    const float* k_scale;  // int8 only
+    const float* v_scale;
     const int32_t* block_tables;
     const int32_t* context_lens;
     int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
@@ -54,25 +64,39 @@ inline void cap_scores(const Args& a, float* s, int64_t n) {
         for (int64_t t = 0; t < n; t++) s[t] = a.softcap * std::tanh(s[t] / a.softcap);
 }
 
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+using kvt::bf16_t;
+using kvt::e4m3_t;
+using kvt::e5m2_t;
+using kvt::f16_t;
+
+#define ROW_INLINE __attribute__((always_inline)) inline
+
+ROW_INLINE void load_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+ROW_INLINE void load_row(const bf16_t* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; i++) dst[i] = kvt::bf16_to_f32(src[i].bits);
+}
+ROW_INLINE void load_row(const f16_t* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; i++) dst[i] = kvt::f16_to_f32(src[i].bits);
+}
+ROW_INLINE void load_row(const e4m3_t* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; i++) dst[i] = kvt::e4m3_to_f32(src[i].bits);
+}
+ROW_INLINE void load_row(const e5m2_t* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; i++) dst[i] = kvt::e5m2_to_f32(src[i].bits);
+}
+ROW_INLINE void load_row(const int8_t* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; i++) dst[i] = (float)src[i];
 }
 
+// int8 rows carry a scale per (slot, kv head); every other type reads as it is
 template <typename KV>
-__attribute__((always_inline)) inline void load_row(const KV* src, float* dst, int64_t d);
+constexpr bool SCALED = std::is_same<KV, int8_t>::value;
 
-template <>
-__attribute__((always_inline)) inline void load_row<float>(const float* src, float* dst, int64_t d) {
-    std::memcpy(dst, src, d * sizeof(float));
-}
-
-template <>
-__attribute__((always_inline)) inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t d) {
-#pragma omp simd
-    for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+// out[t] = scale of run token t (slot0 + t) for kv head kvh, t < n; 1 past n
+ROW_INLINE void run_scales(const float* scales, int64_t slot0, int64_t n, int64_t kvh, int64_t num_kv_heads,
+                           float* out) {
+    for (int64_t t = 0; t < n; t++) out[t] = scales[(slot0 + t) * num_kv_heads + kvh];
+    for (int64_t t = n; t < CHUNK; t++) out[t] = 1.f;
 }
 
 // A row's attention is kept as un-normalised state: acc [H, D], m [H] (running max), l [H] (sum).
@@ -103,13 +127,16 @@ void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float*
     const int64_t stride = a.num_kv_heads * D;  // elements between consecutive slots
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
-    float row_buf[MAX_DIM], s[MAX_HEADS][CHUNK];
+    float row_buf[MAX_DIM], s[MAX_HEADS][CHUNK], ks = 1.f;
     for (int64_t t = 0; t < n; t++) {
         for (int64_t g = 0; g < H; g++) {
-            if (g % G == 0) load_row<KV>(kc + (slot + t) * stride + (g / G) * D, row_buf, D);
+            if (g % G == 0) {
+                load_row(kc + (slot + t) * stride + (g / G) * D, row_buf, D);
+                if (SCALED<KV>) ks = a.k_scale[(slot + t) * a.num_kv_heads + g / G];
+            }
             float dot = 0.f;
             for (int64_t d = 0; d < D; d++) dot += qs[g * D + d] * row_buf[d];
-            s[g][t] = dot;
+            s[g][t] = SCALED<KV> ? dot * ks : dot;
         }
     }
     for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
@@ -126,10 +153,15 @@ void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float*
         m[g] = mx;
         for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
     }
+    float vs = 1.f;
     for (int64_t t = 0; t < n; t++) {
         for (int64_t g = 0; g < H; g++) {
-            if (g % G == 0) load_row<KV>(vc + (slot + t) * stride + (g / G) * D, row_buf, D);
-            for (int64_t d = 0; d < D; d++) acc[g * D + d] += s[g][t] * row_buf[d];
+            if (g % G == 0) {
+                load_row(vc + (slot + t) * stride + (g / G) * D, row_buf, D);
+                if (SCALED<KV>) vs = a.v_scale[(slot + t) * a.num_kv_heads + g / G];
+            }
+            const float p = SCALED<KV> ? s[g][t] * vs : s[g][t];
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * row_buf[d];
         }
     }
 }
@@ -173,11 +205,24 @@ struct NextRunPrefetch {
 // ---------------------------------------------------------------- AVX2 + FMA (head_dim % 8 == 0)
 
 
-AVX2 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2 __m256 load8(const uint16_t* p) {
+#define AVX2H __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define AVX2H_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2H __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2H __m256 load8(const bf16_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+AVX2H __m256 load8(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+AVX2H __m128i bytes8(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+AVX2H __m256 load8(const e5m2_t* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes8(p)), 8)); }
+AVX2H __m256 load8(const e4m3_t* p) {
+    const __m128i b = _mm_cvtepu8_epi16(bytes8(p));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(kvt::E4M3_UNSCALE));
+}
+AVX2H __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(p))); }
 
 AVX2 float hsum8(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -213,7 +258,7 @@ AVX2 void store_scores8(float* dst, __m256 sums, int64_t left) {
 
 // acc[0 .. 8W) = acc * corr + sum over t < n of p[t] * v[t * stride + (0 .. 8W)]
 template <typename KV, int W>
-AVX2 void accumulate_v(float* acc, const KV* v, const float* p, int64_t n, int64_t stride, __m256 corr) {
+AVX2H void accumulate_v(float* acc, const KV* v, const float* p, int64_t n, int64_t stride, __m256 corr) {
     __m256 x[W];
     for (int w = 0; w < W; w++) x[w] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * w), corr);
     for (int64_t t = 0; t < n; t++) {
@@ -224,7 +269,7 @@ AVX2 void accumulate_v(float* acc, const KV* v, const float* p, int64_t n, int64
     for (int w = 0; w < W; w++) _mm256_storeu_ps(acc + 8 * w, x[w]);
 }
 
-__attribute__((target("avx2,fma"))) void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float* m,
+AVX2H_FN void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float* m,
                                                    float* l) {
     const int64_t D = a.head_dim, H = a.num_heads, V = D / 8;
     const float* q = a.q + row * H * D;
@@ -240,18 +285,20 @@ __attribute__((target("avx2,fma"))) void prep_avx2(const Args& a, int64_t row, f
 }
 
 template <typename KV>
-__attribute__((target("avx2,fma"))) void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, float* l,
+AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, float* l,
                                                     int64_t slot, int64_t n, NextRunPrefetch& prefetch) {
     const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, V = D / 8;
     const int64_t stride = a.num_kv_heads * D;
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
     alignas(32) float s[MAX_HEADS][CHUNK];
+    alignas(32) float ks[CHUNK], vs[CHUNK], ps[CHUNK];  // int8: the run's scales, scaled weights
     const int64_t n8 = (n + 7) / 8;
     // scores of 8 tokens at a time for one head: 8 independent FMA chains, then one transposing
     // reduction; tokens past the chunk read its last row and are then set to -inf (exp 0)
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* kh = kc + slot * stride + kvh * D;
+        if (SCALED<KV>) run_scales(a.k_scale, slot, n, kvh, a.num_kv_heads, ks);
         for (int64_t g = kvh * G; g < kvh * G + G; g++) {
             const float* qg = qs + g * D;
             for (int64_t t0 = 0; t0 < n; t0 += 8) {
@@ -264,6 +311,7 @@ __attribute__((target("avx2,fma"))) void chunk_avx2(const Args& a, const float* 
                     for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, load8(rows8[j] + 8 * v), d[j]);
                 }
                 __m256 sums = hsum8x8(d);
+                if (SCALED<KV>) sums = _mm256_mul_ps(sums, _mm256_load_ps(ks + t0));
                 store_scores8(&s[g][t0], sums, n - t0);
                 prefetch.k_step();
             }
@@ -290,10 +338,17 @@ __attribute__((target("avx2,fma"))) void chunk_avx2(const Args& a, const float* 
         const __m256 cv = _mm256_set1_ps(corr);
         float* ag = acc + g * D;
         const KV* vh = vc + slot * stride + (g / G) * D;
+        const float* p = s[g];
+        if (SCALED<KV>) {
+            if (g % G == 0) run_scales(a.v_scale, slot, n, g / G, a.num_kv_heads, vs);
+            for (int64_t c = 0; c < n8; c++)
+                _mm256_store_ps(ps + 8 * c, _mm256_mul_ps(_mm256_load_ps(&s[g][8 * c]), _mm256_load_ps(vs + 8 * c)));
+            p = ps;
+        }
         int64_t v0 = 0;
-        for (; v0 + 8 <= V; v0 += 8) accumulate_v<KV, 8>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
-        for (; v0 + 4 <= V; v0 += 4) accumulate_v<KV, 4>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
-        for (; v0 < V; v0++) accumulate_v<KV, 1>(ag + 8 * v0, vh + 8 * v0, s[g], n, stride, cv);
+        for (; v0 + 8 <= V; v0 += 8) accumulate_v<KV, 8>(ag + 8 * v0, vh + 8 * v0, p, n, stride, cv);
+        for (; v0 + 4 <= V; v0 += 4) accumulate_v<KV, 4>(ag + 8 * v0, vh + 8 * v0, p, n, stride, cv);
+        for (; v0 < V; v0++) accumulate_v<KV, 1>(ag + 8 * v0, vh + 8 * v0, p, n, stride, cv);
         prefetch.v_step();
     }
 }
@@ -303,13 +358,24 @@ __attribute__((target("avx2,fma"))) void chunk_avx2(const Args& a, const float* 
 // 16 lanes fold to 8 before the shared transposing reduction, and the V accumulation keeps two
 // sets of accumulators (even and odd tokens) so that head_dim 64 still has 8 independent FMA chains.
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"), always_inline)) inline
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+#define AVX512 __attribute__((target(AVX512_TARGET), always_inline)) inline
 
 AVX512 __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-AVX512 __m512 load16(const uint16_t* p) {
+AVX512 __m512 load16(const bf16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+AVX512 __m512 load16(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+AVX512 __m128i bytes16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+AVX512 __m512 load16(const e5m2_t* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes16(p)), 8)); }
+AVX512 __m512 load16(const e4m3_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(bytes16(p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(kvt::E4M3_UNSCALE));
+}
+AVX512 __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(p))); }
 
 AVX512 __m256 fold16(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
@@ -358,7 +424,7 @@ AVX512 void accumulate_v16(float* acc, const KV* v, const float* p, int64_t n, i
     for (int w = 0; w < W; w++) _mm512_storeu_ps(acc + 16 * w, _mm512_add_ps(x[w], y[w]));
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void prep_avx512(
+__attribute__((target(AVX512_TARGET))) void prep_avx512(
         const Args& a, int64_t row, float* qs, float* acc, float* m, float* l) {
     const int64_t D = a.head_dim, H = a.num_heads, V = D / 16;
     const float* q = a.q + row * H * D;
@@ -374,7 +440,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void prep
 }
 
 template <typename KV>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void chunk_avx512(
+__attribute__((target(AVX512_TARGET))) void chunk_avx512(
         const Args& a, const float* qs, float* acc, float* m, float* l, int64_t slot, int64_t n,
         NextRunPrefetch& prefetch) {
     const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, V = D / 16;
@@ -382,9 +448,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void chun
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
     alignas(64) float s[MAX_HEADS][CHUNK];
+    alignas(64) float ks[CHUNK], vs[CHUNK], ps[CHUNK];  // int8: the run's scales, scaled weights
     const int64_t n16 = (n + 15) / 16;
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* kh = kc + slot * stride + kvh * D;
+        if (SCALED<KV>) run_scales(a.k_scale, slot, n, kvh, a.num_kv_heads, ks);
         for (int64_t g = kvh * G; g < kvh * G + G; g++) {
             const float* qg = qs + g * D;
             for (int64_t t0 = 0; t0 < n; t0 += 8) {
@@ -399,6 +467,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void chun
                 __m256 h[8];
                 for (int j = 0; j < 8; j++) h[j] = fold16(d[j]);
                 __m256 sums = hsum8x8(h);
+                if (SCALED<KV>) sums = _mm256_mul_ps(sums, _mm256_load_ps(ks + t0));
                 store_scores8(&s[g][t0], sums, n - t0);
                 prefetch.k_step();
             }
@@ -424,10 +493,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void chun
         const __m512 cv = _mm512_set1_ps(corr);
         float* ag = acc + g * D;
         const KV* vh = vc + slot * stride + (g / G) * D;
+        const float* p = s[g];
+        if (SCALED<KV>) {
+            if (g % G == 0) run_scales(a.v_scale, slot, n, g / G, a.num_kv_heads, vs);
+            for (int64_t c = 0; c < n16; c++)
+                _mm512_store_ps(ps + 16 * c, _mm512_mul_ps(_mm512_load_ps(&s[g][16 * c]), _mm512_load_ps(vs + 16 * c)));
+            p = ps;
+        }
         int64_t v0 = 0;
-        for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, 8>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
-        for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, 4>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
-        for (; v0 < V; v0++) accumulate_v16<KV, 1>(ag + 16 * v0, vh + 16 * v0, s[g], n, stride, cv);
+        for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, 8>(ag + 16 * v0, vh + 16 * v0, p, n, stride, cv);
+        for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, 4>(ag + 16 * v0, vh + 16 * v0, p, n, stride, cv);
+        for (; v0 < V; v0++) accumulate_v16<KV, 1>(ag + 16 * v0, vh + 16 * v0, p, n, stride, cv);
         prefetch.v_step();
     }
 }
@@ -435,6 +511,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void chun
 // ---------------------------------------------------------------- rows in tiles
 
 constexpr int TILE = 8;  // prompt rows that walk their context together
+
+using ItemFnT = void (*)(const Args&, int64_t, int64_t, const int64_t*, const int64_t*, float* const*);
 
 // One work item: rows row0 .. row0 + nrows - 1 (a tile: consecutive positions of one sequence, so
 // the same block table; or a single row) over their positions [start_r, end_r) of one part. The
@@ -477,6 +555,124 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
     }
 }
 
+// ---------------------------------------------------------------- a tile's runs widened once
+// The in-place loops widen a narrow K/V element once per query head of its GQA group and, in a
+// tile, once per row: a prompt chunk's 8 rows widen each run 8 x G times. The staged item widens
+// each run once per tile into a float32 buffer laid out like a float32 cache (a run is at most
+// one block: a few KB in L1/L2, never a copy of the context) and runs the same loop on it. It
+// takes the same runs as the in-place item and the loop gets the same float32 values (widening is
+// exact; int8 keeps its scales apart, applied as the in-place loop applies them), so a row's
+// result is bit for bit the same on both: a tile may take one and a lone row the other.
+
+struct scaled_f32 {  // int8 widened, its scales still to apply
+    float v;
+};
+template <>
+constexpr bool SCALED<scaled_f32> = true;
+ROW_INLINE void load_row(const scaled_f32* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+AVX2H __m256 load8(const scaled_f32* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+AVX512 __m512 load16(const scaled_f32* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
+
+template <typename KV>
+using Widened = typename std::conditional<SCALED<KV>, scaled_f32, float>::type;
+
+std::atomic<uint64_t> call_generation{0};  // one per kernel call: a buffer never outlives its call
+
+struct StagedRun {
+    uint64_t generation = 0;
+    const int32_t* table = nullptr;
+    int64_t pos = -1, n = 0;
+    std::vector<float> k, v, ks, vs;  // [n, kv_heads, head_dim]; int8: scales [n, kv_heads]
+};
+
+template <typename KV>
+void widen_portable(const KV* src, int64_t d, float* dst) {
+    load_row(src, dst, d);
+}
+
+template <typename KV>
+AVX2H_FN void widen_avx2(const KV* src, int64_t d, float* dst) {
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+}
+
+template <typename KV>
+__attribute__((target(AVX512_TARGET))) void widen_avx512(const KV* src, int64_t d, float* dst) {
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+}
+
+// the run of n slots from `slot` (one block's), all KV heads, widened into run.k / run.v
+template <typename KV, void (*Widen)(const KV*, int64_t, float*)>
+void stage_run(const Args& a, int64_t slot, int64_t n, StagedRun& run) {
+    const int64_t nkv = a.num_kv_heads, D = a.head_dim, stride = nkv * D;
+    if ((int64_t)run.k.size() < CHUNK * stride) {
+        run.k.resize(CHUNK * stride);
+        run.v.resize(CHUNK * stride);
+        run.ks.resize(CHUNK * nkv);
+        run.vs.resize(CHUNK * nkv);
+    }
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    for (int64_t row = 0; row < n * nkv; row++) {  // (token, head) rows: contiguous within the block
+        Widen(kc + (slot * nkv + row) * D, D, run.k.data() + row * D);
+        Widen(vc + (slot * nkv + row) * D, D, run.v.data() + row * D);
+    }
+    if (SCALED<KV>) {
+        std::memcpy(run.ks.data(), a.k_scale + slot * nkv, n * nkv * sizeof(float));
+        std::memcpy(run.vs.data(), a.v_scale + slot * nkv, n * nkv * sizeof(float));
+    }
+}
+
+template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
+          void (*Widen)(const KV*, int64_t, float*),
+          void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&)>
+void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start, const int64_t* end,
+                 float* const* state) {
+    const int64_t D = a.head_dim, H = a.num_heads, bs = a.block_size;
+    const int32_t* table = a.block_tables + row0 * a.max_blocks;
+    thread_local std::vector<float> qs_buf;
+    thread_local StagedRun run;
+    if ((int64_t)qs_buf.size() < nrows * H * D) qs_buf.resize(nrows * H * D);
+    int64_t pos[TILE];
+    for (int64_t r = 0; r < nrows; r++) {
+        float* acc = state[r];
+        Prep(a, row0 + r, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H);
+        pos[r] = start[r];
+    }
+    const uint64_t generation = call_generation.load(std::memory_order_relaxed);
+    Args b = a;  // the loop's view: the staged run as a cache holding one run from slot 0
+    NextRunPrefetch none;
+    for (bool active = true; active;) {
+        active = false;
+        for (int64_t r = 0; r < nrows; r++) {
+            if (pos[r] >= end[r]) continue;
+            active = true;
+            const int64_t off = pos[r] % bs;
+            const int64_t n = std::min<int64_t>({bs - off, end[r] - pos[r], CHUNK});  // tile_item's runs
+            if (run.generation != generation || run.table != table || run.pos != pos[r] || run.n < n) {
+                stage_run<KV, Widen>(a, (int64_t)table[pos[r] / bs] * bs + off, n, run);
+                run.generation = generation;
+                run.table = table;
+                run.pos = pos[r];
+                run.n = n;
+            }
+            b.k_cache = run.k.data();
+            b.v_cache = run.v.data();
+            b.k_scale = run.ks.data();
+            b.v_scale = run.vs.data();
+            float* acc = state[r];
+            WidenedChunk(b, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, 0, n, none);
+            pos[r] += n;
+        }
+    }
+}
+
+// a tile (several rows) staged, a lone row in place: the same bits either way
+template <ItemFnT Staged, ItemFnT InPlace>
+void tile_or_row(const Args& a, int64_t row0, int64_t nrows, const int64_t* start, const int64_t* end,
+                 float* const* state) {
+    (nrows > 1 ? Staged : InPlace)(a, row0, nrows, start, end, state);
+}
+
 using ItemFn = void (*)(const Args&, int64_t, int64_t, const int64_t*, const int64_t*, float* const*);
 
 // -1: the best the CPU has; else at most 0 portable, 2 avx2, 3 avx512 (tests pin a path)
@@ -486,18 +682,47 @@ int attention_isa() {
     static const int detected =
         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") ? 3
-        : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 2 : 0;
+        : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 2 : 0;
     return forced_isa >= 0 ? std::min(forced_isa, detected) : detected;
+}
+
+// 0: never staged; 1: tiles staged, lone rows in place (the default: staging a float32 run is only a
+// copy); 2: always staged. Tests and benchmarks set it; every mode gives the same bits.
+int staged_mode = 1;
+
+template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
+          void (*Widen)(const KV*, int64_t, float*),
+          void (*InPlaceChunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&),
+          void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&)>
+ItemFn pick_path() {
+    const int mode = std::is_same<KV, float>::value && staged_mode == 1 ? 0 : staged_mode;
+    if (mode == 2) return staged_item<KV, Prep, Widen, WidenedChunk>;
+    if (mode == 1)
+        return tile_or_row<staged_item<KV, Prep, Widen, WidenedChunk>, tile_item<KV, Prep, InPlaceChunk>>;
+    return tile_item<KV, Prep, InPlaceChunk>;
 }
 
 template <typename KV>
 ItemFn pick_kv(int64_t head_dim) {
-    if (attention_isa() >= 3 && head_dim % 16 == 0) return tile_item<KV, prep_avx512, chunk_avx512<KV>>;
-    if (attention_isa() >= 2 && head_dim % 8 == 0) return tile_item<KV, prep_avx2, chunk_avx2<KV>>;
-    return tile_item<KV, prep_portable, chunk_portable<KV>>;
+    using W = Widened<KV>;
+    if (attention_isa() >= 3 && head_dim % 16 == 0)
+        return pick_path<KV, prep_avx512, widen_avx512<KV>, chunk_avx512<KV>, chunk_avx512<W>>();
+    if (attention_isa() >= 2 && head_dim % 8 == 0)
+        return pick_path<KV, prep_avx2, widen_avx2<KV>, chunk_avx2<KV>, chunk_avx2<W>>();
+    return pick_path<KV, prep_portable, widen_portable<KV>, chunk_portable<KV>, chunk_portable<W>>();
 }
 
-ItemFn pick(bool bf16, int64_t head_dim) { return bf16 ? pick_kv<uint16_t>(head_dim) : pick_kv<float>(head_dim); }
+ItemFn pick(int kv_dtype, int64_t head_dim) {
+    switch (kv_dtype) {
+        case kvt::F32: return pick_kv<float>(head_dim);
+        case kvt::BF16: return pick_kv<bf16_t>(head_dim);
+        case kvt::F16: return pick_kv<f16_t>(head_dim);
+        case kvt::E4M3: return pick_kv<e4m3_t>(head_dim);
+        case kvt::E5M2: return pick_kv<e5m2_t>(head_dim);
+        case kvt::I8: return pick_kv<int8_t>(head_dim);
+        default: return nullptr;
+    }
+}
 
 // Rows r and r - 1 are one sequence's consecutive prompt positions (the same table, one position
 // apart): they can share a tile.
@@ -514,21 +739,26 @@ bool continues(const Args& a, int64_t r) {
 extern "C" {
 
 // Returns 0, or a nonzero code for shapes the kernel does not take (the caller then uses the
-// torch path): 1 head_dim > 256, 2 more than 128 query heads, 3 heads not a multiple of kv heads.
+// torch path): 1 head_dim > 256, 2 more than 128 query heads, 3 heads not a multiple of kv heads,
+// 4 an unknown kv_dtype (kv_types.h), 5 int8 without its scales.
 // window > 0: each row attends to its last `window` positions only (sliding-window attention).
 // softcap > 0: scores are soft-capped, softcap * tanh(score / softcap) (Gemma 2), before the softmax.
 // part_tokens (<= 0: whole rows) must not depend on the batch: a row's result then depends on
 // its own data only, whatever else is in the batch (greedy batch invariance).
-int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_bf16,
-                                 const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
+int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_dtype,
+                                 const float* k_scale, const float* v_scale, const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t part_tokens, int64_t window,
                                  float softcap, float* out) {
     if (head_dim > MAX_DIM) return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 3;
     if (num_heads > MAX_HEADS) return 2;
+    const ItemFn fn = pick(kv_dtype, head_dim);
+    if (fn == nullptr) return 4;
+    if (kv_dtype == kvt::I8 && (k_scale == nullptr || v_scale == nullptr)) return 5;
+    call_generation.fetch_add(1, std::memory_order_relaxed);
     const int64_t H = num_heads, D = head_dim;
-    const Args a{q, k_cache, v_cache, block_tables, context_lens, max_blocks, num_heads, num_kv_heads,
+    const Args a{q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, max_blocks, num_heads, num_kv_heads,
                  head_dim, block_size, scale, softcap};
     int64_t longest = 1;
     for (int64_t r = 0; r < rows; r++) longest = std::max<int64_t>(longest, context_lens[r]);
@@ -548,7 +778,6 @@ int brisk_paged_decode_attention(const float* q, const void* k_cache, const void
     thread_local std::vector<float> scratch;
     if ((int64_t)scratch.size() < rows * parts * per_item) scratch.resize(rows * parts * per_item);
     float* state = scratch.data();
-    const ItemFn fn = pick(kv_bf16 != 0, head_dim);
 
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
     for (int64_t i = 0; i < items; i++) {
@@ -606,5 +835,11 @@ int brisk_paged_decode_attention(const float* q, const void* k_cache, const void
 int brisk_paged_attention_isa() { return attention_isa(); }
 
 void brisk_paged_attention_force_isa(int isa) { forced_isa = isa; }
+
+int brisk_paged_attention_staged(int mode) {
+    const int was = staged_mode;
+    if (mode >= 0 && mode <= 2) staged_mode = mode;
+    return was;
+}
 
 }  // extern "C"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from brisk.kv_dtype import parse_name as kv_dtype_name
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("traffic (a trace, or distributions)")
@@ -21,8 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--memory", default="2GiB", help="KV memory budget, e.g. 2GiB")
     mem.add_argument("--model", default=None, help="model dir, .gguf or catalog name, for bytes per token "
                                                     "(default: the demo model)")
-    mem.add_argument("--kv-dtype", default="float32", help="KV cache dtype: float32 (brisk on CPU), bfloat16, "
-                                                           "float16, fp8")
+    mem.add_argument("--kv-dtype", default="auto", type=kv_dtype_name,
+                     help="KV cache dtype, as brisk serve's --kv-cache-dtype (auto: what brisk serve picks on this "
+                          "machine for a float32 model); the recommended flags carry it")
     mem.add_argument("--bytes-per-token", type=int, default=None, help="override the model's KV bytes per token")
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")

@@ -76,7 +76,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     inputs = PlanInputs(memory // per_token, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                         1.0 / args.decode_tps, args.prefill_tps, args.max_tokens,
                         _ints(args.block_sizes, "--block-sizes"), sizes, shares, args.rebalance_every,
-                        not args.no_prefix_caching, memory_flag=args.memory.replace(" ", ""))
+                        not args.no_prefix_caching, memory_flag=args.memory.replace(" ", ""),
+                        kv_dtype=shape.kv_dtype)
     if inputs.capacity_tokens < max_model_len:
         raise BriskError(f"--memory {args.memory} holds {inputs.capacity_tokens} tokens at {per_token} bytes per "
                          f"token, less than one max-length ({max_model_len}) sequence: brisk serve would refuse "

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brisk.errors import BriskError
+from brisk.kv_dtype import resolve as resolve_kv_dtype
 from brisk.kvplan.engine_sim import EngineSimConfig, StepCost, simulate_engine
 from brisk.kvplan.simulate import BucketAllocator, ContiguousAllocator, SimConfig, SimResult, simulate
 from brisk.trace import TraceRequest
-
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -20,6 +19,7 @@ class ModelShape:
     bytes_per_token: int
     max_model_len: int
     detail: str
+    kv_dtype: str = "float32"  # canonical (brisk/kv_dtype.py): what brisk serve's --kv-cache-dtype gets
 
 
 def model_shape(model: str | None, kv_dtype: str) -> ModelShape:
@@ -29,18 +29,21 @@ def model_shape(model: str | None, kv_dtype: str) -> ModelShape:
     from brisk.loading.gguf_header import read_gguf_metadata
     from brisk.models.registry import resolve
 
-    if kv_dtype not in _DTYPE_BYTES:
-        raise BriskError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(_DTYPE_BYTES)}")
+    try:  # brisk computes in float32 on CPU: auto is then what serve picks on this machine
+        kv = resolve_kv_dtype(kv_dtype, "float32", "cpu")
+    except BriskError as e:
+        raise BriskError(str(e).replace("--kv-cache-dtype", "--kv-dtype")) from None
     src = resolve(model)
     if src.kind == "gguf":  # the metadata alone, in milliseconds (tie_word_embeddings does not matter here)
         config = hf_config(read_gguf_metadata(src.path), True, str(src.path))
     else:
         config = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
     cfg = ModelConfig.from_hf_dict(config, str(src.path))
-    per_token = cfg.kv_bytes_per_token(_DTYPE_BYTES[kv_dtype])
+    per_token = cfg.kv_bytes_per_token(kv)
     detail = (f"{cfg.num_layers} layers × {cfg.num_kv_heads} KV heads × {cfg.head_dim} dims × 2 (K, V) × "
-              f"{_DTYPE_BYTES[kv_dtype]} bytes ({kv_dtype})")
-    return ModelShape(src.name, per_token, cfg.max_position_embeddings, detail)
+              f"{kv.bytes_per_element(cfg.head_dim):g} bytes ({kv.name}"
+              + (", its scale per token and head included)" if kv.scaled else ")"))
+    return ModelShape(src.name, per_token, cfg.max_position_embeddings, detail, kv.name)
 
 
 @dataclass
@@ -58,12 +61,14 @@ class PlanInputs:
     rebalance_every: int
     enable_prefix_caching: bool = True
     memory_flag: str | None = None  # --memory as the user wrote it: brisk serve's --kv-cache-memory takes it as is
+    kv_dtype: str = "float32"  # brisk serve's --kv-cache-dtype, canonical
 
 
 def serve_flags(p: PlanInputs, block_size: int, bytes_per_token: int) -> str:
     """The `brisk serve` flags that give the engine simulated for this block size."""
     memory = p.memory_flag or f"{p.capacity_tokens * bytes_per_token // 2**20}MiB"
-    flags = (f"--block-size {block_size} --kv-cache-memory {memory} --max-num-seqs {p.max_num_seqs} "
+    flags = (f"--block-size {block_size} --kv-cache-memory {memory} --kv-cache-dtype {p.kv_dtype} "
+             f"--max-num-seqs {p.max_num_seqs} "
              f"--max-num-batched-tokens {p.max_num_batched_tokens} --max-model-len {p.max_model_len}")
     return flags + ("" if p.enable_prefix_caching else " --no-prefix-caching")
 

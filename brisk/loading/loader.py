@@ -15,6 +15,7 @@ import torch
 from brisk import kernels
 from brisk.config import QUANTIZATION_CHOICES, ModelConfig
 from brisk.errors import BriskError, ModelLoadError
+from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
 from brisk.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
@@ -153,16 +154,16 @@ def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _check_memory(source: Path, model_dir: Path, quantization: str, max_model_len: int | None,
-                  device: torch.device, dtype: torch.dtype) -> None:
+                  device: torch.device, dtype: torch.dtype, kv: KVDtype) -> None:
     """Refuse a model that cannot fit before reading (or converting) any weight."""
 
     if (model_dir / "config.json").exists():
         cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))
         weights = memory_plan.checkpoint_weight_bytes(model_dir, quantization, dtype.itemsize)
-        per_token, window = cfg.kv_bytes_per_token(dtype.itemsize), cfg.max_position_embeddings
+        per_token, window = cfg.kv_bytes_per_token(kv), cfg.max_position_embeddings
     else:  # a GGUF not converted yet: its header says it all
         weights, meta = memory_plan.gguf_weight_bytes(source, quantization)
-        per_token = memory_plan.gguf_kv_bytes_per_token(meta, dtype.itemsize)
+        per_token = memory_plan.gguf_kv_bytes_per_token(meta, kv)
         window = meta.get(f"{meta.get('general.architecture')}.context_length") or 2048
     memory_plan.check_fits(weights, per_token, max_model_len or window, memory_plan.available_memory(device), str(source))
 
@@ -216,9 +217,10 @@ def _warmup(model: DecoderForCausalLM, cfg: ModelConfig, device, dtype,
 
 def load(model: "str | ModelSource | None" = None, *, device: str | None = None, dtype: str | None = None,
          max_model_len: int | None = None, warmup: bool = True, quantization: str = "auto",
-         report: LoadReport | None = None) -> LoadedModel:
+         report: LoadReport | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
     """`quantization`: auto (a GGUF keeps its quantized types, a float checkpoint stays float),
-    none (everything float), int8 or int4 (every weight matrix quantized in blocks of 32)."""
+    none (everything float), int8 or int4 (every weight matrix quantized in blocks of 32).
+    `kv_cache_dtype` (brisk/kv_dtype.py) sizes the memory check's one max-length sequence."""
     report = report or LoadReport()
     if quantization not in QUANTIZATION_CHOICES:
         raise BriskError(f"--quantization {quantization!r} is not supported; use "
@@ -235,7 +237,8 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
         report.format = "gguf"
         model_dir = gguf_convert.converted_dir(cache_root, source.path, quantization)
     with report.phase("memory_check"):
-        _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype)
+        kv = resolve_kv_dtype(kv_cache_dtype, str(torch_dtype).removeprefix("torch."), dev.type)
+        _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype, kv)
     if source.kind == "gguf":
         if (model_dir / "config.json").exists():
             report.conversion_cache = "hit"

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from brisk.errors import BriskError
+from brisk.kv_dtype import KVDtype
 from brisk.loading import safetensors_io
 from brisk.loading.dequant import check_type
 from brisk.loading.gguf_header import read_gguf_header
@@ -32,12 +33,12 @@ def gguf_weight_bytes(path: Path, quantization: str) -> tuple[int, dict]:
     return total, header.metadata
 
 
-def gguf_kv_bytes_per_token(meta: dict, dtype_bytes: int) -> int:
+def gguf_kv_bytes_per_token(meta: dict, kv_dtype: KVDtype) -> int:
     arch = meta.get("general.architecture")
     heads = meta.get(f"{arch}.attention.head_count") or 1
     head_dim = meta.get(f"{arch}.attention.key_length") or (meta.get(f"{arch}.embedding_length") or 0) // heads
     kv_heads = meta.get(f"{arch}.attention.head_count_kv") or heads
-    return 2 * (meta.get(f"{arch}.block_count") or 0) * kv_heads * head_dim * dtype_bytes
+    return 2 * (meta.get(f"{arch}.block_count") or 0) * kv_heads * kv_dtype.row_bytes(head_dim)
 
 
 def checkpoint_weight_bytes(model_dir: Path, quantization: str, dtype_bytes: int) -> int:

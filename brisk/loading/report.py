@@ -19,6 +19,7 @@ class LoadReport:
     weight_bytes: int = 0
     device: str = ""
     dtype: str = ""
+    kv_cache_dtype: str = ""  # the KV cache's element type (brisk/kv_dtype.py), once the engine has one
     weight_formats: dict[str, str] = field(default_factory=dict)  # layer type -> quantized format
     current_phase: str | None = None  # the phase running now (read by the server's /ready)
 
@@ -43,14 +44,15 @@ class LoadReport:
         return {
             "source": self.source, "path": self.path, "format": self.format,
             "conversion_cache": self.conversion_cache, "weight_bytes": self.weight_bytes,
-            "device": self.device, "dtype": self.dtype, "weight_formats": self.weight_formats,
+            "device": self.device, "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
+            "weight_formats": self.weight_formats,
             "phases_ms": {k: round(v, 2) for k, v in self.phases_ms.items()},
             "total_ms": round(self.total_ms, 2),
         }
 
     def lines(self) -> list[str]:
         out = [f"loaded {self.source} ({self.format}, {self.weight_bytes / 1e6:.0f} MB, "
-               f"{self.dtype} on {self.device}"
+               f"{self.dtype} on {self.device}" + (f", KV cache {self.kv_cache_dtype}" if self.kv_cache_dtype else "")
                + (f", conversion cache {self.conversion_cache}" if self.conversion_cache else "") + ")"]
         if self.weight_formats:
             out.append("  quantized weights: " + ", ".join(f"{k} {v}" for k, v in self.weight_formats.items()))

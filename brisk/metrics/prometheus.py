@@ -142,6 +142,12 @@ class _EngineCollector:
         ]
         for name, doc, value_of in gauges:
             yield family(GaugeMetricFamily, name, doc, value_of)
+        dtype = GaugeMetricFamily("brisk:kv_cache_dtype", "The KV cache's element type (value 1; label dtype: "
+                                  "float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8).",
+                                  labels=[*label_names, "dtype"])
+        for labels, s in rows:
+            dtype.add_metric([*labels, s.kv_cache_dtype or "unknown"], 1)
+        yield dtype
         counters = [
             ("brisk:num_preemptions", "Requests preempted (KV pool full), recomputed later.",
              lambda s: s.num_preemptions),

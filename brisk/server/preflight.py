@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from brisk.errors import BriskError
+from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -64,14 +64,17 @@ def check_window(args: argparse.Namespace, config: dict[str, Any], source: str) 
     return window, wanted or window
 
 
-def kv_dtype_bytes(args: argparse.Namespace) -> int | None:
-    """Bytes per KV element when it is known without torch: an explicit --dtype, or a CPU run
-    (float32). None on a machine that may have a GPU (auto picks bfloat16 there)."""
-    if args.dtype in _DTYPE_BYTES:
-        return _DTYPE_BYTES[args.dtype]
-    if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/proc/driver/nvidia/version")):
-        return 4
-    return None
+def kv_dtype(args: argparse.Namespace) -> KVDtype | None:
+    """The KV cache's dtype when it is known without torch: an explicit --kv-cache-dtype, or auto
+    with an explicit --dtype or on a CPU run (float32 compute). None on a machine that may have a
+    GPU (auto picks bfloat16 there, and the GPU's free memory is not known here)."""
+    cpu = args.device == "cpu" or (args.device == "auto" and not os.path.exists("/proc/driver/nvidia/version"))
+    device = "cpu" if cpu else args.device
+    if args.kv_cache_dtype != "auto":
+        return resolve_kv_dtype(args.kv_cache_dtype, "float32", device)
+    if args.dtype in ("float32", "bfloat16", "float16"):
+        return resolve_kv_dtype("auto", args.dtype, device)
+    return resolve_kv_dtype("auto", "float32", "cpu") if cpu else None
 
 
 def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_len: int, source: str) -> None:
@@ -81,10 +84,10 @@ def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_
     from brisk.config import ModelConfig
 
     cache, _ = engine_configs(args, max_model_len)  # every engine flag, validated
-    dtype_bytes = kv_dtype_bytes(args)
-    if cache.kv_cache_memory is None or dtype_bytes is None:
+    kv = kv_dtype(args)
+    if cache.kv_cache_memory is None or kv is None:
         return
-    per_token = ModelConfig.from_hf_dict(config, source).kv_bytes_per_token(dtype_bytes)
+    per_token = ModelConfig.from_hf_dict(config, source).kv_bytes_per_token(kv)
     cache.num_blocks(per_token, max_model_len, available_bytes=0)
 
 

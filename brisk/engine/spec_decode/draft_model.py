@@ -24,6 +24,7 @@ from brisk.engine.sampler import filtered_probs
 from brisk.engine.scheduler import ScheduledChunk
 from brisk.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from brisk.engine.spec_decode.drafter import drafting
+from brisk.kv_dtype import KVDtype
 
 
 def approx_parameters(cfg) -> int:
@@ -57,7 +58,7 @@ def check_draft(target, draft, name: str) -> None:
 
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, target, draft, num_blocks: int, block_size: int,
-                 max_model_len: int, generator_for: Callable[[Request], torch.Generator]):
+                 kv_dtype: KVDtype, max_model_len: int, generator_for: Callable[[Request], torch.Generator]):
         check_draft(target, draft, config.model)
         self.config = config
         self.loaded = draft
@@ -66,10 +67,11 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.generator_for = generator_for
         cfg = draft.config
+        # the target's KV dtype (one dtype per pool; the budget counted the draft's K/V in it)
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
-                               draft.dtype, draft.device)
+                               kv_dtype, draft.device)
         self.scale = cfg.head_dim ** -0.5
-        self.attention = attention_backend(torch.device(draft.device), draft.dtype)
+        self.attention = attention_backend(torch.device(draft.device), kv_dtype)
 
     def propose(self, running: list[Request]) -> None:
         """Reserve each drafting request's k positions (placeholders the scheduler counts);
