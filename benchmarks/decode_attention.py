@@ -5,8 +5,11 @@ block tables scattered over the pool as the KV manager hands them out. Compares,
            each SIMD path the CPU has (AVX2; AVX-512 where present: what serving picks)
   torch    the reference path: index_select the context out of the cache, SDPA on the copy
   bound    the time to read the rows' K/V bytes once at the machine's measured read bandwidth
+           (per KV dtype: its own bytes, int8's scales included)
 
-    .venv/bin/python benchmarks/decode_attention.py [--rows 64] [--context 2000] [--dtype float32]
+for each KV cache dtype (--kv-dtype, default all of them; the kernel reads each in place).
+
+    .venv/bin/python benchmarks/decode_attention.py [--rows 64] [--context 2000] [--kv-dtype float32 int8]
 
 The default shape is the demo model's (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64).
 """
@@ -27,6 +30,7 @@ from decode_speed import read_bandwidth_gbs  # noqa: E402
 
 from brisk import kernels  # noqa: E402
 from brisk.engine.attention import AttentionMetadata, PagedKVCache, TorchPagedAttention, block_tables  # noqa: E402
+from brisk.kv_dtype import DTYPES  # noqa: E402
 
 
 def timed(fns: dict, repeat: int) -> dict[str, list[float]]:
@@ -43,6 +47,18 @@ def timed(fns: dict, repeat: int) -> dict[str, list[float]]:
     return times
 
 
+def filled_cache(args, num_slots: int, kv, huge_pages: bool = True) -> PagedKVCache:
+    """A one-layer pool of random K/V, written through the store each dtype serves with."""
+    cache = PagedKVCache(1, num_slots, args.kv_heads, args.head_dim, kv, torch.device("cpu"), huge_pages=huge_pages)
+    gen = torch.Generator().manual_seed(0)
+    step = 4096
+    for start in range(0, num_slots, step):
+        slots = torch.arange(start, min(num_slots, start + step))
+        k, v = torch.randn(2, len(slots), args.kv_heads, args.head_dim, generator=gen)
+        cache.store(0, k, v, slots)
+    return cache
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=64)
@@ -51,76 +67,93 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--kv-dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="rows are prompt chunks of this many consecutive positions (the kernel's tiles), "
+                             "--rows / --chunk sequences; 0: one decode row per sequence")
+    parser.add_argument("--staging", action="store_true",
+                        help="also time each dtype with every run read in place and with every run staged "
+                             "(the default stages a prompt chunk's tiles and reads a lone row in place)")
     parser.add_argument("--hugepages", action="store_true",
                         help="also time the served kernel on a cache without huge pages (4 KB pages), same run")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
     bs = args.block_size
-    lengths = [max(1, args.context - 7 * r) for r in range(args.rows)]  # ragged, as real batches are
-    per_row = [-(-n // bs) for n in lengths]
-    num_blocks = sum(per_row) + 1
+    if args.chunk:  # prompt chunks laid out as decode rows: `chunk` consecutive positions per sequence
+        seqs = [max(args.chunk, args.context - 7 * s) for s in range(max(1, args.rows // args.chunk))]
+    else:
+        seqs = [max(1, args.context - 7 * r) for r in range(args.rows)]  # ragged, as real batches are
+    per_seq = [-(-n // bs) for n in seqs]
+    num_blocks = sum(per_seq) + 1
     pool = list(range(1, num_blocks))
     random.Random(0).shuffle(pool)
-    tables, used = [], 0
-    for nb in per_row:
-        tables.append(pool[used:used + nb])
+    tables, lengths, used = [], [], 0
+    for n, nb in zip(seqs, per_seq):
+        rows = range(n - args.chunk + 1, n + 1) if args.chunk else [n]
+        tables += [pool[used:used + nb]] * len(rows)
+        lengths += list(rows)
         used += nb
-    cache = PagedKVCache(1, num_blocks * bs, args.kv_heads, args.head_dim, dtype, torch.device("cpu"))
-    cache.k.normal_()
-    cache.v.normal_()
-    small = None
-    if args.hugepages:
-        small = PagedKVCache(1, num_blocks * bs, args.kv_heads, args.head_dim, dtype, torch.device("cpu"),
-                             huge_pages=False)
-        small.k.copy_(cache.k)
-        small.v.copy_(cache.v)
-    q = torch.randn(args.rows, args.heads, args.head_dim, dtype=dtype)
+    args.rows = len(lengths)
+    caches = {name: filled_cache(args, num_blocks * bs, DTYPES[name]) for name in args.kv_dtype}
+    first = args.kv_dtype[0]
+    q = torch.randn(args.rows, args.heads, args.head_dim)
     table_t = block_tables(tables, lengths, bs)
     lens = torch.tensor(lengths, dtype=torch.int32)
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), bs, table_t, lens, [])
     scale = args.head_dim ** -0.5
-    torch_path = TorchPagedAttention(cache, meta, scale)
-    torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)  # expands the slots once, as a step does
+    torch_path = TorchPagedAttention(caches[first], meta, scale)
+    torch_path._gathered_decode(q, 0, None)  # expands the slots once, as a step does
 
-    kv_bytes = sum(lengths) * args.kv_heads * args.head_dim * cache.k.element_size() * 2
+    def kv_bytes(name: str) -> int:  # a tile of 8 consecutive rows reads its context once
+        tokens = sum(lengths) // 8 if args.chunk else sum(lengths)
+        return tokens * args.kv_heads * DTYPES[name].row_bytes(args.head_dim) * 2
+
     before, how = read_bandwidth_gbs()
     lib = kernels.library()
 
-    def kernel(isa: int):
+    def kernel(cache: PagedKVCache, isa: int, mode: int | None = None):
         def run():
             lib.brisk_paged_attention_force_isa(isa)
-            kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs, scale)
+            lib.brisk_paged_attention_staged(default_mode if mode is None else mode)
+            kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs, scale, kv_dtype=cache.dtype,
+                                           scales=cache.scales(0))
         return run
 
-    # every SIMD path this CPU runs (the best one is what serving uses), and the torch path
+    # every dtype on the path serving picks; the first dtype also on AVX2 (where AVX-512 is the best),
+    # without huge pages (--hugepages), and through the torch path
     best_isa = lib.brisk_paged_attention_isa()
-    paths = {f"kernel {name}": kernel(isa) for isa, name in ((2, "avx2"), (3, "avx512")) if isa <= best_isa}
-    if small is not None:
-        def four_kb_pages():
-            lib.brisk_paged_attention_force_isa(-1)  # the path serving picks
-            kernels.paged_decode_attention(q, small.k[0], small.v[0], table_t, lens, bs, scale)
-        paths["kernel, 4 KB pages"] = four_kb_pages
-    paths["torch (gather+SDPA)"] = lambda: torch_path._gathered_decode(q, cache.k[0], cache.v[0], None)
+    served = kernels.attention_isa()
+    default_mode = lib.brisk_paged_attention_staged(-1)  # (only read)
+    paths = {(name, f"kernel {served}"): kernel(cache, -1) for name, cache in caches.items()}
+    if args.staging:  # each dtype also with every run in place, and with every run staged
+        for name, cache in caches.items():
+            paths[(name, f"kernel {served} in place")] = kernel(cache, -1, 0)
+            paths[(name, f"kernel {served} staged")] = kernel(cache, -1, 2)
+    if best_isa > 2:
+        paths[(first, "kernel avx2")] = kernel(caches[first], 2)
+    if args.hugepages:
+        small = filled_cache(args, num_blocks * bs, DTYPES[first], huge_pages=False)
+        paths[(first, f"kernel {served} 4 KB pages")] = kernel(small, -1)
+    paths[(first, "torch (gather+SDPA)")] = lambda: torch_path._gathered_decode(q, 0, None)
     times = timed(paths, args.repeat)
     lib.brisk_paged_attention_force_isa(-1)
+    lib.brisk_paged_attention_staged(default_mode)
     # this shared machine's bandwidth moves within minutes (34-63 GB/s in one hour): probed before
     # and after the timings, and the bound taken from their mean
     after, _ = read_bandwidth_gbs()
     bandwidth = (before + after) / 2
-    bound = kv_bytes / (bandwidth * 1e9)
     print(f"{args.rows} rows x ~{args.context} tokens ({sum(lengths)} in all), heads {args.heads}/{args.kv_heads}, "
-          f"head_dim {args.head_dim}, {args.dtype} KV, block size {bs}; threads {torch.get_num_threads()}, "
-          f"kernel ISA {kernels.attention_isa()}")
-    print(f"read bandwidth {bandwidth:.1f} GB/s ({how}; {before:.1f} before the timings, {after:.1f} after); "
-          f"K/V bytes per layer {kv_bytes / 2**20:.1f} MiB -> read-once bound {bound * 1e3:.2f} ms")
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    for name, t in times.items():
-        print(f"  {name:20s} median {medians[name] * 1e3:8.2f} ms per layer ({medians[name] / bound:5.2f}x the bound), "
-              f"best {min(t) * 1e3:8.2f} ms ({min(t) / bound:5.2f}x)")
-    served = f"kernel {kernels.attention_isa()}"
-    print(f"  {served} speed-up over torch: {medians['torch (gather+SDPA)'] / medians[served]:.2f}x (medians)")
+          f"head_dim {args.head_dim}, block size {bs}; threads {torch.get_num_threads()}, kernel ISA {served}")
+    print(f"read bandwidth {bandwidth:.1f} GB/s ({how}; {before:.1f} before the timings, {after:.1f} after)")
+    medians = {key: statistics.median(t) for key, t in times.items()}
+    print(f"  {'KV dtype':9s} {'path':26s} {'MiB/layer':>9s} {'bound ms':>9s} {'median ms':>10s} {'x bound':>8s} "
+          f"{'best ms':>8s} {'vs float32':>10s}")
+    base = medians.get(("float32", f"kernel {served}"))
+    for (name, path), t in times.items():
+        bound = kv_bytes(name) / (bandwidth * 1e9)
+        speed = f"{base / medians[(name, path)]:.2f}x" if base and path == f"kernel {served}" else ""
+        print(f"  {name:9s} {path:26s} {kv_bytes(name) / 2**20:9.1f} {bound * 1e3:9.2f} {medians[(name, path)] * 1e3:10.2f} "
+              f"{medians[(name, path)] / bound:7.2f}x {min(t) * 1e3:8.2f} {speed:>10s}")
 
 
 if __name__ == "__main__":

