@@ -365,11 +365,11 @@ def test_a_model_that_cannot_fit_is_refused_before_conversion(tmp_path, monkeypa
     cache = tmp_path / "cache"
     monkeypatch.setenv("BRISK_CACHE", str(cache))
     monkeypatch.setattr(memory, "available_memory", lambda device: 300 * 2**20)
-    # float32: 538 MB of weights + 8192 tokens x 46 KB of KV > 300 MiB
+    # float32: 538 MB of weights + 8192 tokens x 46 KB of float32 KV > 300 MiB
     with pytest.raises(BriskError, match=r"does not fit: its weights take 0\.50 GiB and one 8192-token sequence of "
                                          r"KV cache 0\.35 GiB, but 0\.29 GiB of memory is available; use a smaller "
                                          r"--quantization"):
-        load(quantization="none")
+        load(quantization="none", kv_cache_dtype="float32")
     assert not (cache / "converted").exists() or not any((cache / "converted").iterdir())
     # int8 weights (143 MB) + a 2048-token window (94 MB) fit the same 300 MiB
     assert load(quantization="int8", max_model_len=2048, warmup=False).report.weight_bytes == 143025408

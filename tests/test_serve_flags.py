@@ -39,7 +39,7 @@ def serve_fails(*argv: str, cwd=None, env=None) -> tuple[str, float, str]:
     (["--kv-cache-memory", "1KB"], "cannot hold one max-length sequence"),
     (["--model", "/nope/model.gguf"], "not found"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 0.95]"),
-    (["--kv-cache-dtype", "fp8"], "fp8 KV is not implemented"),
+    (["--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: 'fp4' is not a KV cache dtype; use one of auto"),
     (["--chat-template", "{% if %}"], "--chat-template: line 1"),
     (["--chat-template", "not-a-file.jinja"], "no such file, and not a Jinja template"),
     (["--block-size", "4096"], "block_size must be in [1, 1024]"),

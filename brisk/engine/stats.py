@@ -42,7 +42,9 @@ class EngineStats:
         if not parts:
             return cls(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0, 0)
         total = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)
-                 if f.name not in ("kv_usage", "kv_internal_fragmentation", "spec_acceptance_lengths")}
+                 if f.name not in ("kv_usage", "kv_internal_fragmentation", "spec_acceptance_lengths",
+                                   "kv_cache_dtype")}
+        total["kv_cache_dtype"] = "/".join(sorted({p.kv_cache_dtype for p in parts}))  # one per pool, as a rule
         used = total["kv_blocks_used"]
         lengths = [sum(c) for c in zip(*(p.spec_acceptance_lengths for p in parts if p.spec_acceptance_lengths))]
         return cls(**total, kv_usage=used / total["kv_blocks_total"] if total["kv_blocks_total"] else 0.0,
