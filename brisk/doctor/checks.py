@@ -576,57 +576,88 @@ class _Sampler:
             self._thread.join(timeout=5)
 
 
+ROUNDS = 3  # each level runs this many rounds, the levels interleaved round by round
+ONE_STREAM_REQUESTS = 2  # a one-stream round: this many requests one after another
+
+
+def _round_batches(level: int) -> int:
+    """Requests one round of `level` streams sends one after another per stream."""
+    return ONE_STREAM_REQUESTS if level == 1 else 1
+
+
 def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
+    """Ramps parallel streams 1, 2, 4, ... The levels take turns, round by round (1, 2, 4, 1, 2, 4,
+    ...): a host whose speed drifts over the minute (a noisy neighbour, a throttled guest) then
+    slows every level alike, and the ratios between levels, which the verdict is made of, hold."""
     o.progress("concurrency: ramping parallel streams")
     levels = [1]
     while levels[-1] * 2 <= (min(o.max_concurrency, 4) if o.quick else o.max_concurrency):
         levels.append(levels[-1] * 2)
     engine = _engine_of(scrape(p))
-    rows: list[dict] = []
+    _, _, preempt = _ENGINE_METRICS.get(engine, (None, None, None))
     budget = o.budget
-    counter = 0
     max_tokens = 16 if o.quick else 24
     nonce = int(np.random.default_rng().integers(1 << 62))  # fresh prompts every run
-    for level in levels:
-        n = 3 * level if level > 1 else 4  # one stream: 4 samples; more: three rounds of the level
-        if rows:  # rounds of the previous level, scaled: the estimate of this level's time
-            prev = rows[-1]
-            estimate = prev["wall_s"] * (n / level) / (prev["requests"] / prev["concurrency"]) * 1.5
-            if not budget.fits(estimate, f"concurrency {level}"):
+    counter = 0
+    runs: dict[int, dict] = {}  # level -> what its rounds gathered
+    for rnd in range(ROUNDS):
+        for level in levels:
+            if rnd == 0 and runs:  # admit a level if all its rounds, and the rest of the admitted, fit
+                last = runs[max(runs)]
+                per_batch = last["round_walls"][0] / _round_batches(last["level"])
+                committed = (ROUNDS - 1) * sum(r["round_walls"][0] for r in runs.values())
+                estimate = committed + ROUNDS * per_batch * _round_batches(level) * 1.5
+                if not budget.fits(estimate, f"concurrency {level}"):
+                    break
+            elif rnd > 0 and (level not in runs or (not budget.fixed and budget.remaining() <= 0)):
                 break
-        metrics_before = scrape(p) if engine else {}
-        prompts = []
-        for _ in range(n):
-            counter += 1
-            prompts.append([{"role": "user", "content": f"[{nonce:x}-{counter}] List {counter % 7 + 3} colours."}])
-        with _Sampler(p, engine) as sampler, ThreadPoolExecutor(max_workers=level) as pool:
-            start = time.perf_counter()
-            deadline = budget.timeout()
-            timings = list(pool.map(lambda m: p.stream_chat(o.model, m, max_tokens, {"ignore_eos": True},
-                                                            timeout_s=max(deadline - (time.perf_counter() - start),
-                                                                          0.5)), prompts))
-            wall = time.perf_counter() - start
-        metrics_after = scrape(p) if engine else {}
-        ok = [t for t in timings if t.ok and t.ttft_s is not None]
-        itls = [b - a for t in ok for a, b in zip(t.chunk_ts, t.chunk_ts[1:])]
-        queue = [t.usage["brisk"].get("queue_ms") for t in ok if t.usage and isinstance(t.usage.get("brisk"), dict)]
-        row = {"concurrency": level, "requests": n, "ok": len(ok), "wall_s": wall,
-               "errors": sorted({_failed_probe(t, "request") for t in timings if not t.ok})[:3],
-               "ttft_p50_s": _median([t.ttft_s for t in ok]), "ttft_spread_s": spread([t.ttft_s for t in ok]),
-               "ttft_p90_s": float(np.percentile([t.ttft_s for t in ok], 90)) if ok else None,
-               "itl_p50_s": _median(itls), "itl_p90_s": float(np.percentile(itls, 90)) if itls else None,
-               "throughput_tok_s": sum(t.completion_tokens or 0 for t in ok) / wall,
-               "queue_ms_p50": _median(queue), "max_kv_usage": sampler.max_kv if engine else None,
-               "max_waiting": sampler.max_waiting if engine else None}
-        _, _, preempt = _ENGINE_METRICS.get(engine, (None, None, None))
-        row["preemptions"] = None  # not exported
-        if preempt and preempt in metrics_after:
-            row["preemptions"] = metrics_after[preempt] - metrics_before.get(preempt, 0.0)
-        rows.append(row)
-        o.progress(f"concurrency {level}: TTFT p50 {row['ttft_p50_s'] or 0:.3f} s, "
+            n = level * _round_batches(level)
+            prompts = []
+            for _ in range(n):
+                counter += 1
+                prompts.append([{"role": "user", "content": f"[{nonce:x}-{counter}] List {counter % 7 + 3} colours."}])
+            metrics_before = scrape(p) if engine else {}
+            with _Sampler(p, engine) as sampler, ThreadPoolExecutor(max_workers=level) as pool:
+                start = time.perf_counter()
+                deadline = budget.timeout()
+                timings = list(pool.map(lambda m: p.stream_chat(
+                    o.model, m, max_tokens, {"ignore_eos": True},
+                    timeout_s=max(deadline - (time.perf_counter() - start), 0.5)), prompts))
+                wall = time.perf_counter() - start
+            metrics_after = scrape(p) if engine else {}
+            run = runs.setdefault(level, {"level": level, "timings": [], "round_walls": [], "max_kv": None,
+                                          "max_waiting": None, "preemptions": None})
+            run["timings"] += timings
+            run["round_walls"].append(wall)
+            for key, value in (("max_kv", sampler.max_kv), ("max_waiting", sampler.max_waiting)):
+                if value is not None:
+                    run[key] = max(run[key] or 0.0, value)
+            if preempt and preempt in metrics_after:
+                run["preemptions"] = ((run["preemptions"] or 0.0)
+                                      + metrics_after[preempt] - metrics_before.get(preempt, 0.0))
+    rows = [_level_row(runs[level], engine) for level in sorted(runs)]
+    for row in rows:
+        o.progress(f"concurrency {row['concurrency']}: TTFT p50 {row['ttft_p50_s'] or 0:.3f} s, "
                    f"{row['throughput_tok_s']:.1f} tok/s")
-    data = {"engine_metrics": engine, "levels": rows}
+    data = {"engine_metrics": engine, "levels": rows, "rounds": ROUNDS}
     return _concurrency_finding(rows, engine), data
+
+
+def _level_row(run: dict, engine: str | None) -> dict:
+    timings, wall = run["timings"], sum(run["round_walls"])
+    ok = [t for t in timings if t.ok and t.ttft_s is not None]
+    itls = [b - a for t in ok for a, b in zip(t.chunk_ts, t.chunk_ts[1:])]
+    queue = [t.usage["brisk"].get("queue_ms") for t in ok if t.usage and isinstance(t.usage.get("brisk"), dict)]
+    return {"concurrency": run["level"], "requests": len(timings), "ok": len(ok), "wall_s": wall,
+            "rounds": len(run["round_walls"]),
+            "errors": sorted({_failed_probe(t, "request") for t in timings if not t.ok})[:3],
+            "ttft_p50_s": _median([t.ttft_s for t in ok]), "ttft_spread_s": spread([t.ttft_s for t in ok]),
+            "ttft_p90_s": float(np.percentile([t.ttft_s for t in ok], 90)) if ok else None,
+            "itl_p50_s": _median(itls), "itl_p90_s": float(np.percentile(itls, 90)) if itls else None,
+            "throughput_tok_s": sum(t.completion_tokens or 0 for t in ok) / wall,
+            "queue_ms_p50": _median(queue), "max_kv_usage": run["max_kv"] if engine else None,
+            "max_waiting": run["max_waiting"] if engine else None,
+            "preemptions": run["preemptions"]}  # None: not exported
 
 
 POOR_EFFICIENCY = 0.35  # throughput per stream below this share of one stream's: saturated
