@@ -112,6 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype)
+    built = build_engine(args, loaded)
+    report.kv_cache_dtype = built.kv_dtype.name
     if args.verbose:
         print("\n".join(report.lines()), file=sys.stderr)
     tok = loaded.tokenizer
@@ -126,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 ignore_eos=args.ignore_eos)
     except ValueError as e:
         raise BriskError(str(e)) from None
-    engine = AsyncLLMEngine(build_engine(args, loaded))
+    engine = AsyncLLMEngine(built)
 
     async def run():
         final = None

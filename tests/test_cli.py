@@ -36,6 +36,10 @@ def test_json_output_and_conversion_cache_miss_then_hit(tmp_path, demo):
     assert second["completion_tokens"] == len(second["token_ids"]) <= 12
     assert second["text"] == demo.tokenizer.decode(second["token_ids"])
     assert second["timings"]["ttft_ms"] > 0
+    # the report names the KV cache's element type the engine chose (auto resolves to a real one)
+    from brisk.kv_dtype import DTYPES
+
+    assert second["load_report"]["kv_cache_dtype"] in DTYPES
 
 
 def test_streamed_text_equals_decoded_tokens(demo, brisk_cache):
