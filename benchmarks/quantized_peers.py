@@ -9,6 +9,11 @@ see), resident memory (VmRSS after the runs and VmHWM, the peak), and the same `
 streaming workload at 1/16/64 concurrent streams (short chat prompts, 64-token replies,
 ignore_eos) as benchmarks/peers/run_peers.py. Prints the machine's read bandwidth beside it.
 
+Type BF16: llama-server serves the BF16 GGUF; brisk serves the same weights as a Hugging Face
+bfloat16 safetensors directory (`bf16_checkpoint`), the form most checkpoints come in: `brisk`
+keeps them bfloat16 (`--quantization auto`), `brisk-f32` casts them to float32 (`--dtype float32`,
+brisk's only CPU behaviour before).
+
 llama-server is the native build with `--parallel` slots and continuous batching, from the
 llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
@@ -16,7 +21,7 @@ llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
         -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2
 
     .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
-        [--work DIR] [--types Q4_0,Q8_0,demo] [--systems brisk,llama-server] [--concurrency 1,16,64]
+        [--work DIR] [--types Q4_0,Q8_0,BF16,demo] [--systems brisk,brisk-f32,llama-server] [--concurrency 1,16,64]
 """
 
 from __future__ import annotations
@@ -52,11 +57,47 @@ def model_path(kind: str, work: Path) -> Path:
     return path
 
 
+def bf16_checkpoint(gguf: Path, work: Path) -> Path:
+    """The BF16 GGUF's weights as a Hugging Face bfloat16 safetensors directory (what the Hub ships):
+    brisk's own GGUF conversion (float32, Q/K un-permuted, config and tokenizer) cast back to
+    bfloat16, which is exact: every value came from a bfloat16."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from brisk.loading import gguf_convert
+
+    out = work / f"{gguf.stem}-hf"
+    if (out / "config.json").exists():
+        return out
+    f32 = work / f"{gguf.stem}-hf-f32"
+    if not (f32 / "config.json").exists():
+        gguf_convert.convert(gguf, f32, "none")
+    tmp = work / f"{gguf.stem}-hf.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for item in f32.iterdir():
+        if item.suffix == ".safetensors":
+            tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in load_file(item).items()}
+            save_file(tensors, tmp / item.name)
+        elif item.is_file():
+            shutil.copy(item, tmp / item.name)
+    config = json.loads((tmp / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=2))
+    shutil.rmtree(f32)
+    tmp.rename(out)
+    return out
+
+
 def command(system: str, gguf: Path, port: int, args) -> list[str]:
     levels = [int(c) for c in args.concurrency.split(",")]
-    if system == "brisk":
-        return [sys.executable, "-m", "brisk", "serve", str(gguf), "--port", str(port), "--served-model-name",
-                MODEL_ID, "--max-model-len", "2048", "--max-num-seqs", str(max(levels))]
+    if system.startswith("brisk"):  # brisk, or brisk-f32 (--dtype float32: a float checkpoint cast to float32)
+        source = bf16_checkpoint(gguf, args.work) if gguf.stem.endswith("-BF16") else gguf
+        return [sys.executable, "-m", "brisk", "serve", str(source), "--port", str(port), "--served-model-name",
+                MODEL_ID, "--max-model-len", "2048", "--max-num-seqs", str(max(levels))] + \
+            (["--dtype", "float32"] if system == "brisk-f32" else [])
     slots = max(levels)
     return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_ID,
             "--parallel", str(slots), "-c", str(slots * SLOT_CONTEXT), "-t", str(os.cpu_count() or 2)]
@@ -89,7 +130,7 @@ def run_one(system: str, kind: str, args) -> str:
     log = args.work / f"{system}-{kind}.log"
     first_start = ""
     try:
-        if system == "brisk":  # the first start converts into the cache; time the warm one after it
+        if system.startswith("brisk"):  # the first start converts into the cache; time the warm one after it
             proc, _, ready = start(system, gguf, args, log)
             stop(proc)
             first_start = f"{ready:.1f} s / "

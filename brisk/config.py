@@ -50,7 +50,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # --quantization: auto (a GGUF keeps its quantized types; float checkpoints stay float), none
 # (everything float), int8 / int4 (every weight matrix quantized in blocks of 32 at load)
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "bf16", "f16")
 
 _REQUIRED_KEYS = (
     "vocab_size",

@@ -65,21 +65,25 @@ def test_demo_model_batched_decode_is_bit_identical(demo):
 VOCAB, WINDOW = 256, 16
 
 
-@pytest.fixture(scope="module")
-def qwen2_int8(tmp_path_factory, brisk_cache):
+def _qwen2_checkpoint(path, dtype=torch.float32):
     torch.manual_seed(3)
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, use_sliding_window=True, sliding_window=WINDOW,
                          max_window_layers=1)
-    path = tmp_path_factory.mktemp("qwen2-stack")
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():  # transformers initializes biases to zero: make them count
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen2_int8(tmp_path_factory, brisk_cache):
+    path = _qwen2_checkpoint(tmp_path_factory.mktemp("qwen2-stack"))
     return load(str(path), max_model_len=256, warmup=False, quantization="int8")
 
 
@@ -88,6 +92,17 @@ def test_qkv_bias_windows_and_gqa_are_bit_identical(qwen2_int8):
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (20, 3, 33)]
     _compare(qwen2_int8, prompts, SamplingParams(max_tokens=3 * WINDOW, temperature=0, ignore_eos=True, logprobs=0),
+             block_size=4, max_tokens_per_step=8)
+
+
+def test_bf16_checkpoint_weights_kept_16_bit_are_bit_identical(tmp_path_factory, brisk_cache):
+    """A bfloat16 checkpoint loads with its 16-bit weights (half_matmul.cpp) and runs the stack."""
+    loaded = load(str(_qwen2_checkpoint(tmp_path_factory.mktemp("qwen2-bf16"), torch.bfloat16)), max_model_len=256,
+                  warmup=False)
+    assert loaded.report.weight_formats["qkv_proj"] == "bf16"
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (20, 3, 33)]
+    _compare(loaded, prompts, SamplingParams(max_tokens=3 * WINDOW, temperature=0, ignore_eos=True, logprobs=0),
              block_size=4, max_tokens_per_step=8)
 
 

@@ -35,10 +35,11 @@ def _quant_weight(linear: torch.nn.Module) -> abi.QuantWeight | None:
         return None
     if linear.bias is not None and not (linear.bias.dtype == torch.float32 and linear.bias.is_contiguous()):
         return None
-    return abi.QuantWeight(linear.qweight.data_ptr(), linear.scales.data_ptr(),
+    return abi.QuantWeight(linear.qweight.data_ptr(), None if linear.scales is None else linear.scales.data_ptr(),
                         None if linear.mins is None else linear.mins.data_ptr(),
                         None if linear.bias is None else linear.bias.data_ptr(),
-                        linear.fmt.bits, linear.out_features, linear.in_features, int(linear.fmt.tiled))
+                        linear.fmt.bits, linear.out_features, linear.in_features, int(linear.fmt.tiled),
+                        kernels.HALF_KINDS.get(linear.fmt.half, 0))
 
 
 def _f32_vector(t: torch.Tensor) -> bool:

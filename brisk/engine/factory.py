@@ -26,11 +26,13 @@ def add_model_args(p) -> None:
     p.add_argument("--device", default="auto", type=argtypes.device,
                    help="auto (CUDA when available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+                   help="compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16; "
+                        "an explicit one also casts a float checkpoint's weights to it")
     p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="weight format: auto (a GGUF keeps its quantized types, e.g. Q4_0 as int4; float "
-                        "checkpoints stay float), none (dequantize to --dtype), int8 or int4 (every weight "
-                        "matrix quantized in blocks of 32 at load)")
+                   help="weight format: auto (a GGUF keeps its quantized types, e.g. Q4_0 as int4; a float "
+                        "checkpoint stays float, and on CPU a bfloat16/float16 one keeps its 16-bit weights), "
+                        "none (dequantize to --dtype), int8 or int4 (every weight matrix quantized in blocks "
+                        "of 32 at load), bf16 or f16 (weights stored in 16 bits, float32 activations)")
     p.add_argument("--max-model-len", type=argtypes.positive, default=None,
                    help="context window (default: the model's)")
     p.add_argument("--verbose", "-v", action="store_true", help="print the load report; tracebacks on errors")

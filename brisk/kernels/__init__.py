@@ -1,6 +1,7 @@
 """brisk's compiled CPU kernels and their PyTorch reference.
 
-`quant_matmul.cpp` (weight-only int4/int8 matmuls), `paged_attention.cpp` (decode attention
+`quant_matmul.cpp` (weight-only int4/int8 matmuls), `half_matmul.cpp` (bfloat16/float16 weights,
+float32 activations), `paged_attention.cpp` (decode attention
 through block tables), `fused_ops.cpp` (a decoder layer's norm, RoPE, SiLU-gate and K/V store,
 one call each; Python side in `fused.py`) and `decoder.cpp` (a decode step's whole layer stack over
 those, driven by `brisk/engine/decode_stack.py`), see their headers, make one plain C library,
@@ -86,10 +87,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+HALF_KINDS = {torch.bfloat16: 1, torch.float16: 2}  # half_matmul.cpp's kinds (kv_types.h's codes)
+
+
+def half_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 contiguous CPU -> [M, N] float32 with W [N, K] bfloat16 or float16 as
+    stored, multiplied in float32 (half_matmul.cpp); without the kernels, torch in float32."""
+    lib = library()
+    if lib is None:
+        return x @ weight.float().T
+    m, k = x.shape
+    out = torch.empty(m, weight.shape[0], dtype=torch.float32)
+    lib.brisk_half_matmul(x.data_ptr(), weight.data_ptr(), HALF_KINDS[weight.dtype], m, weight.shape[0], k,
+                          out.data_ptr())
+    return out
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
                  bits: int) -> torch.Tensor:
     """x [M, K] float32 contiguous CPU -> [M, N] float32 with W given as quantized blocks (row
-    layout, or int4 tiled: 3-D tensors, see `tile_int4`)."""
+    layout, or int4 tiled: 3-D tensors, see `tile_int4`), or as 16-bit floats (bits 16)."""
+    if bits == 16:
+        return half_matmul(x, qweight)
     lib = library()
     if lib is None:
         return reference_matmul(x, qweight, scales, mins, bits)
@@ -234,9 +253,12 @@ def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     return rows.contiguous(), side(scales), side(mins)
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None, bits: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Quantized blocks -> dense [N, K] weights (w = d * q + m; int4 without m: m = -8 d)."""
+    """Quantized blocks -> dense [N, K] weights (w = d * q + m; int4 without m: m = -8 d); 16-bit
+    float weights (bits 16) are widened (exact)."""
+    if bits == 16:
+        return qweight.to(dtype)
     if qweight.dim() == 3:
         qweight, scales, mins = untile_int4(qweight, scales, mins)
     q = unpack_int4(qweight) if bits == 4 else qweight
@@ -267,7 +289,7 @@ def reference_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     """What the kernel computes, in float64: with `quantized_activations` the same int8 activation
     blocks (so kernel and reference differ only by float summation order), else plain x."""
     w = dequantize(qweight, scales, mins, bits, torch.float64)
-    if not quantized_activations:
+    if not quantized_activations or bits == 16:  # 16-bit float weights take float32 activations as they are
         return (x.double() @ w.T).float()
     q, d = quantize_activations(x)
     m, k = x.shape

@@ -11,7 +11,7 @@ _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_f
 
 class QuantWeight(ctypes.Structure):  # BriskQuantWeight
     _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64),
-                ("tiled", _i64)]
+                ("tiled", _i64), ("half", _i64)]
 
 
 class Layer(ctypes.Structure):  # BriskLayer
@@ -35,6 +35,7 @@ SIGNATURES = {
     "brisk_quant_matmul": ([_p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p], None),
     "brisk_kernels_isa": ([], _i32),
     "brisk_kernels_force_isa": ([_i32], None),
+    "brisk_half_matmul": ([_p, _p, _i32, _i64, _i64, _i64, _p], _i32),
     "brisk_paged_decode_attention": ([_p, _p, _p, _i32, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32,
                                       _i64, _i64, _f32, _p], _i32),
     "brisk_paged_attention_isa": ([], _i32),

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 
-// One quantized weight [n, k] (quant_matmul.cpp's layout), and an optional float32 bias [n].
+// One weight [n, k] kept as stored: quantized (quant_matmul.cpp's layouts; bits 4 or 8) or 16-bit
+// floats (half_matmul.cpp; bits 16, `half` the kv_types.h code: 1 bfloat16, 2 float16, with d and m
+// null), and an optional float32 bias [n].
 struct BriskQuantWeight {
     const uint8_t* q;
     const uint16_t* d;
@@ -14,6 +16,7 @@ struct BriskQuantWeight {
     const float* bias;  // null: no bias
     int64_t bits, n, k;
     int64_t tiled;  // int4 in tiles of 8 rows
+    int64_t half;   // bits 16: 1 bfloat16, 2 float16
 };
 
 // One decoder layer of the compiled decode step (decoder.cpp).
@@ -47,6 +50,10 @@ void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, c
                         int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out);
 int brisk_kernels_isa();
 void brisk_kernels_force_isa(int isa);
+
+// half_matmul.cpp: out [M, N] = x [M, K] . W^T, W 16-bit floats (kind 1 bfloat16, 2 float16);
+// 0, or 1 for another kind. Takes brisk_kernels_isa()'s path.
+int brisk_half_matmul(const float* x, const uint16_t* w, int kind, int64_t M, int64_t N, int64_t K, float* out);
 
 // paged_attention.cpp: 0, or a nonzero code for a shape the kernel does not take.
 int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_dtype,

@@ -5,7 +5,8 @@
 // in C and calls the same kernels the Python path calls, in the same order, on the same values:
 // the two paths give bit-identical results (tests/test_decode_stack.py holds them to it).
 //
-// Applies to layers whose four projections are brisk's quantized linears (quant_matmul.cpp),
+// Applies to layers whose four projections are brisk's quantized linears (quant_matmul.cpp) or
+// 16-bit float ones (half_matmul.cpp),
 // float32 activations, and K/V read in place by the paged kernel (paged_attention.cpp).
 // brisk/engine/decode_stack.py checks that and builds the per-layer table once.
 
@@ -22,7 +23,10 @@ using Dims = BriskDims;
 using Scratch = BriskScratch;
 
 void matmul(const QuantWeight& w, const float* x, int64_t rows, const Scratch& s, float* out) {
-    brisk_quant_matmul(x, w.q, w.d, w.m, (int)w.bits, (int)w.tiled, rows, w.n, w.k, s.xq, s.xd, s.xs, out);
+    if (w.bits == 16)
+        brisk_half_matmul(x, reinterpret_cast<const uint16_t*>(w.q), (int)w.half, rows, w.n, w.k, out);
+    else
+        brisk_quant_matmul(x, w.q, w.d, w.m, (int)w.bits, (int)w.tiled, rows, w.n, w.k, s.xq, s.xd, s.xs, out);
     if (w.bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < w.n; i++) out[r * w.n + i] += w.bias[i];

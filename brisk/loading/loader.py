@@ -67,6 +67,26 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _auto_weights(source: ModelSource, dtype: str | None, device: torch.device) -> str:
+    """What `--quantization auto` keeps a checkpoint's weights in. A safetensors checkpoint whose
+    linear weights are all bfloat16 (most Hub checkpoints), or all float16, keeps them so on a CPU
+    with brisk's 16-bit kernel (half_matmul.cpp: AVX2 or AVX-512; activations stay float32, so
+    results match the float32 model on the same weights): half the bytes of float32, and a decode
+    step reads half as much. An explicit --dtype, another device, a GGUF or a checkpoint with
+    float32 (or already quantized) weights: "auto", as before."""
+    if source.kind == "gguf" or dtype not in (None, "auto") or device.type != "cpu":
+        return "auto"
+    found = set()
+    for file in safetensors_io.checkpoint_files(source.path):
+        header, _ = safetensors_io.read_header(file)
+        found |= {info["dtype"] for name, info in header.items()
+                  if name.endswith("_proj.weight") or name.rpartition(".")[2] in quant.QUANT_SUFFIXES}
+    method = {frozenset({"BF16"}): "bf16", frozenset({"F16"}): "f16"}.get(frozenset(found), "auto")
+    if method != "auto" and (kernels.library() is None or kernels.library().brisk_kernels_isa() < 2):
+        return "auto"  # the portable loop is slower than float32 oneDNN: keep the old behaviour
+    return method
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -136,11 +156,11 @@ def _place(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.
 def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str) -> None:
     """--quantization int8/int4 on a float checkpoint: every linear weight (and the LM head)
     becomes quantized blocks; the float originals are dropped."""
-    for name in [n for n in tensors if quant.is_quantizable_weight(n)]:
+    for name in [n for n in tensors if quant.converts(n, method)]:
         quant.check_quantizable(name, tuple(tensors[name].shape), method)
         base = name.removesuffix(".weight")
         blocks = quant.QUANTIZERS[method](tensors.pop(name))
-        if method == "int4" and quant.tileable(name, quant.QuantFormat(4, True), blocks["qweight"].shape[0]):
+        if method == "int4" and quant.tileable(name, quant.method_format(method), blocks["qweight"].shape[0]):
             blocks = quant.tile(blocks)
         for suffix, t in blocks.items():
             tensors[f"{base}.{suffix}"] = t
@@ -149,7 +169,7 @@ def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str) -> None:
 def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
     for base in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
         qweight, scales, mins = (tensors.pop(f"{base}.{s}", None) for s in quant.QUANT_SUFFIXES)
-        bits = 4 if qweight.dtype == torch.uint8 else 8
+        bits = 16 if qweight.dtype in quant.HALF_NAMES else 4 if qweight.dtype == torch.uint8 else 8
         tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits)
 
 
@@ -218,8 +238,10 @@ def _warmup(model: DecoderForCausalLM, cfg: ModelConfig, device, dtype,
 def load(model: "str | ModelSource | None" = None, *, device: str | None = None, dtype: str | None = None,
          max_model_len: int | None = None, warmup: bool = True, quantization: str = "auto",
          report: LoadReport | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
-    """`quantization`: auto (a GGUF keeps its quantized types, a float checkpoint stays float),
-    none (everything float), int8 or int4 (every weight matrix quantized in blocks of 32).
+    """`quantization`: auto (a GGUF keeps its quantized types; a float checkpoint stays float, and
+    on CPU a bfloat16/float16 one keeps its 16-bit weights: `_auto_weights`), none (everything
+    float), int8 or int4 (every weight matrix quantized in blocks of 32), bf16 or f16 (weights
+    stored in 16 bits, activations float32).
     `kv_cache_dtype` (brisk/kv_dtype.py) sizes the memory check's one max-length sequence."""
     report = report or LoadReport()
     if quantization not in QUANTIZATION_CHOICES:
@@ -232,6 +254,11 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
         torch_dtype = pick_dtype(dtype, dev)
     report.source, report.path = source.name, str(source.path)
     report.device, report.dtype = str(dev), str(torch_dtype).removeprefix("torch.")
+    if quantization in quant.HALF_METHODS and source.kind == "gguf":
+        raise BriskError(f"--quantization {quantization} keeps a safetensors checkpoint's float weights in 16 bits; "
+                         f"{source.path.name} is a GGUF: use --quantization auto (its own types), none, int8 or int4")
+    if quantization == "auto":
+        quantization = _auto_weights(source, dtype, dev)
     model_dir = source.path
     if source.kind == "gguf":
         report.format = "gguf"
@@ -264,7 +291,8 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
             _quantize_at_load(tensors, quantization)
         if dev.type != "cpu":  # NOTE: the quantized kernels are CPU kernels; elsewhere weights run in float
             _dequantize_all(tensors)
-        report.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        report.weight_bytes = sum(t.numel() * (t.element_size() if _is_quantized(n) or not t.is_floating_point()
+                                               else torch_dtype.itemsize) for n, t in tensors.items())  # as placed
         report.weight_formats = _layer_formats(quant.install(net, tensors, cfg.tie_word_embeddings, torch_dtype))
         missing = sorted(_expected_names(net) - tensors.keys())
         if missing:

@@ -55,9 +55,8 @@ def checkpoint_weight_bytes(model_dir: Path, quantization: str, dtype_bytes: int
             stored = safetensors_io.DTYPES[info["dtype"]]
             if name.rpartition(".")[2] in quant.QUANT_SUFFIXES or not stored.is_floating_point:
                 total += numel * stored.itemsize
-            elif quantization in quant.QUANTIZERS and quant.is_quantizable_weight(name):
-                total += int(numel * quant.QuantFormat(4 if quantization == "int4" else 8,
-                                                       quantization == "int4").bits_per_weight / 8)
+            elif quantization in quant.QUANTIZERS and quant.converts(name, quantization):
+                total += int(numel * quant.method_format(quantization).bits_per_weight / 8)
             else:
                 total += numel * dtype_bytes
     return total

@@ -1,4 +1,5 @@
-"""Weight-only quantized layers: int4 and int8 in blocks of 32 input features (GGML's blocks).
+"""Weight-only quantized layers: int4 and int8 in blocks of 32 input features (GGML's blocks), and
+bfloat16/float16 weights kept as the checkpoint stores them (`qweight` of that dtype, no scales).
 
 A quantized linear `name` is stored as three tensors beside each other in the checkpoint:
 `name.qweight` (uint8 [N, K/2] for int4, two values a byte in GGUF's nibble order; int8
@@ -28,20 +29,28 @@ from brisk.kernels import QK
 QUANT_SUFFIXES = ("qweight", "scales", "mins")
 
 
+HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weights kept as stored
+
+
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8; 16: bfloat16/float16 weights kept as stored, no scales (half_matmul.cpp)
     has_mins: bool
     # int4 only: stored in tiles of 8 rows (brisk.kernels.tile_int4), the layout the kernel reads
     # fastest; brisk's conversion writes linears so, embeddings (looked up by row) in the row layout
     tiled: bool = False
+    half: torch.dtype | None = None  # bits 16: torch.bfloat16 or torch.float16
 
     @property
     def name(self) -> str:
+        if self.bits == 16:
+            return HALF_NAMES[self.half]
         return f"int{self.bits}" + ("+min" if self.has_mins else "")
 
     @property
     def bits_per_weight(self) -> float:
+        if self.bits == 16:
+            return 16.0
         return self.bits + 16 * (2 if self.has_mins else 1) / QK
 
     @classmethod
@@ -49,6 +58,8 @@ class QuantFormat:
         qweight = tensors.get(f"{prefix}.qweight")
         if qweight is None:
             return None
+        if qweight.dtype in HALF_NAMES:
+            return cls(16, False, False, qweight.dtype)
         return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors, qweight.dim() == 3)
 
 
@@ -57,6 +68,11 @@ class _Blocks(nn.Module):
 
     def __init__(self, rows: int, cols: int, fmt: QuantFormat):
         super().__init__()
+        self.fmt = fmt
+        if fmt.bits == 16:  # 16-bit floats as stored: any shape, no scales
+            self.register_buffer("qweight", torch.empty((rows, cols), dtype=fmt.half))
+            self.scales = self.mins = None
+            return
         if cols % QK:
             raise BriskError(f"a {rows}x{cols} weight cannot be quantized in blocks of {QK}: "
                              f"its {cols} input features are not a multiple of {QK}; use --quantization none")
@@ -107,8 +123,9 @@ class QuantEmbedding(_Blocks):
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scales = None if self.scales is None else self.scales[ids]
         mins = None if self.mins is None else self.mins[ids]
-        return kernels.dequantize(self.qweight[ids], self.scales[ids], mins, self.fmt.bits, self.dtype)
+        return kernels.dequantize(self.qweight[ids], scales, mins, self.fmt.bits, self.dtype)
 
 
 # ------------------------------------------------------------------ quantizing float weights
@@ -147,7 +164,19 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qweight": q.view(n, k), "scales": scales}
 
 
-QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+def keep_bf16(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float [N, K] -> bfloat16 as is (a bfloat16 checkpoint's tensor is used in place, a view of the
+    memory-mapped file); multiplied with float32 activations by half_matmul.cpp."""
+    return {"qweight": w.to(torch.bfloat16).contiguous()}
+
+
+def keep_f16(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float [N, K] -> float16 as is (see keep_bf16)."""
+    return {"qweight": w.to(torch.float16).contiguous()}
+
+
+QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8, "bf16": keep_bf16, "f16": keep_f16}
+HALF_METHODS = {"bf16": torch.bfloat16, "f16": torch.float16}  # the QUANTIZERS that keep 16-bit floats
 
 
 def tileable(name: str, fmt: QuantFormat | None, rows: int) -> bool:
@@ -162,6 +191,8 @@ def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def check_quantizable(name: str, shape: tuple[int, ...], method: str) -> None:
+    if len(shape) == 2 and method in HALF_METHODS:  # 16-bit floats take any matrix
+        return
     if len(shape) != 2 or shape[1] % QK:
         raise BriskError(f"--quantization {method}: tensor {name} has shape {list(shape)}; its input dimension "
                          f"must be a multiple of the group size {QK}; use --quantization none for this model")
@@ -170,6 +201,20 @@ def check_quantizable(name: str, shape: tuple[int, ...], method: str) -> None:
 def is_quantizable_weight(name: str) -> bool:
     """Linear weights (and the LM head) are quantized at load; norms, biases and embeddings are not."""
     return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+def converts(name: str, method: str) -> bool:
+    """Whether `--quantization method` stores checkpoint tensor `name` in its format at load: the
+    linears for every method, and the token embeddings too when the method keeps 16-bit floats (rows
+    widened as they are looked up; a tied LM head reads the same 16-bit table)."""
+    return is_quantizable_weight(name) or (method in HALF_METHODS and name == "model.embed_tokens.weight")
+
+
+def method_format(method: str) -> QuantFormat:
+    """The format a `--quantization` method gives a float weight."""
+    if method in HALF_METHODS:
+        return QuantFormat(16, False, False, HALF_METHODS[method])
+    return QuantFormat(4, True) if method == "int4" else QuantFormat(8, False)
 
 
 # ------------------------------------------------------------------ installing into a model

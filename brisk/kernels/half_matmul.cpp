@@ -1,0 +1,184 @@
+// 16-bit float weights, float32 activations: y[M, N] = x[M, K] @ W[N, K]^T, W in bfloat16 or
+// float16 (kv_types.h's codes 1 and 2), as the checkpoint stores it.
+//
+// Most Hub checkpoints are bfloat16. Cast to float32 they take twice the memory and a decode step
+// reads twice the bytes; run in bfloat16 (PyTorch's CPU path) the activations are rounded to 8 bits
+// of mantissa and oneDNN's one-row kernels read them at ~60% of the float32 path's bandwidth here.
+// This kernel keeps the weights as stored and the activations in float32: each weight is widened in
+// registers (bf16: a zero-extend and a shift; f16: vcvtph2ps) and multiplied in float32, so a
+// result equals the float32 model's on the same (exactly representable) weights up to summation
+// order, and the bytes read are the file's.
+//
+// Register tiles of NW weight rows x MT activation rows: each widened weight vector serves MT rows,
+// each activation vector NW rows. Every (row, output) pair keeps its own accumulator over the same
+// k order whatever the tile around it, so a row's result does not depend on the batch (brisk's
+// greedy outputs must not). Threads (OpenMP, PyTorch's libgomp) split the weight rows.
+//
+// Paths: AVX-512 (16 lanes) where brisk_kernels_isa() says 3, AVX2+F16C (8 lanes) at 2, a portable
+// loop at 0: the same path for a given CPU every call.
+
+#include <algorithm>
+#include <cstdint>
+#include <immintrin.h>
+#include <omp.h>
+
+#include "brisk_abi.h"
+#include "kv_types.h"
+
+namespace {
+
+constexpr int NW = 4;                  // weight rows per register tile
+constexpr int MT = 4;                  // activation rows per register tile
+constexpr int64_t ROWS_PER_TASK = 16;  // weight rows a thread takes at a time
+
+template <int KIND>
+inline float widen(uint16_t h) {
+    return KIND == kvt::BF16 ? kvt::bf16_to_f32(h) : kvt::f16_to_f32(h);
+}
+
+// ---------------------------------------------------------------- portable
+template <int KIND>
+void rows_scalar(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, float* out,
+                 int64_t N) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += widen<KIND>(w[n * K + k]) * x[r * K + k];
+            out[r * N + n] = acc;
+        }
+}
+
+// ---------------------------------------------------------------- AVX2 + F16C
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INL __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+template <int KIND>
+AVX2_INL __m256 load8(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (KIND == kvt::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else return _mm256_cvtph_ps(h);
+}
+
+AVX2_INL float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Weight rows n0..n0+NWT-1 against activation rows r0..r0+MTT-1; a K tail (K % 8) goes through
+// zero-padded copies, so every element takes the same vector lane it would at any tile size.
+template <int KIND, int NWT, int MTT>
+AVX2_FN void tile_avx2(const float* x, const uint16_t* w, int64_t K, int64_t n0, int64_t r0, float* out, int64_t N) {
+    __m256 acc[NWT][MTT];
+    for (int j = 0; j < NWT; j++)
+        for (int i = 0; i < MTT; i++) acc[j][i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[MTT];
+        for (int i = 0; i < MTT; i++) xv[i] = _mm256_loadu_ps(x + (r0 + i) * K + k);
+        for (int j = 0; j < NWT; j++) {
+            const __m256 wv = load8<KIND>(w + (n0 + j) * K + k);
+            for (int i = 0; i < MTT; i++) acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
+        }
+    }
+    if (k < K) {
+        alignas(32) float xt[MTT][8] = {};
+        alignas(16) uint16_t wt[NWT][8] = {};
+        for (int64_t e = k; e < K; e++) {
+            for (int i = 0; i < MTT; i++) xt[i][e - k] = x[(r0 + i) * K + e];
+            for (int j = 0; j < NWT; j++) wt[j][e - k] = w[(n0 + j) * K + e];
+        }
+        for (int j = 0; j < NWT; j++) {
+            const __m256 wv = load8<KIND>(wt[j]);
+            for (int i = 0; i < MTT; i++) acc[j][i] = _mm256_fmadd_ps(wv, _mm256_load_ps(xt[i]), acc[j][i]);
+        }
+    }
+    for (int j = 0; j < NWT; j++)
+        for (int i = 0; i < MTT; i++) out[(r0 + i) * N + n0 + j] = hsum8(acc[j][i]);
+}
+
+// ---------------------------------------------------------------- AVX-512
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define AVX512_INL __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline
+
+template <int KIND>
+AVX512_INL __m512 widen16(__m256i h) {
+    if constexpr (KIND == kvt::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else return _mm512_cvtph_ps(h);
+}
+
+template <int KIND, int NWT, int MTT>
+AVX512_FN void tile_avx512(const float* x, const uint16_t* w, int64_t K, int64_t n0, int64_t r0, float* out,
+                           int64_t N) {
+    __m512 acc[NWT][MTT];
+    for (int j = 0; j < NWT; j++)
+        for (int i = 0; i < MTT; i++) acc[j][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 xv[MTT];
+        for (int i = 0; i < MTT; i++) xv[i] = _mm512_loadu_ps(x + (r0 + i) * K + k);
+        for (int j = 0; j < NWT; j++) {
+            const __m512 wv = widen16<KIND>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + j) * K + k)));
+            for (int i = 0; i < MTT; i++) acc[j][i] = _mm512_fmadd_ps(wv, xv[i], acc[j][i]);
+        }
+    }
+    if (k < K) {  // masked loads read zeros past K: the same lanes as a longer row's
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+        __m512 xv[MTT];
+        for (int i = 0; i < MTT; i++) xv[i] = _mm512_maskz_loadu_ps(m, x + (r0 + i) * K + k);
+        for (int j = 0; j < NWT; j++) {
+            const __m512 wv = widen16<KIND>(_mm256_maskz_loadu_epi16(m, w + (n0 + j) * K + k));
+            for (int i = 0; i < MTT; i++) acc[j][i] = _mm512_fmadd_ps(wv, xv[i], acc[j][i]);
+        }
+    }
+    for (int j = 0; j < NWT; j++)
+        for (int i = 0; i < MTT; i++) out[(r0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+// ---------------------------------------------------------------- driver
+template <int KIND, int NWT, int MTT>
+void tile(int isa, const float* x, const uint16_t* w, int64_t K, int64_t n0, int64_t r0, float* out, int64_t N) {
+    if (isa >= 3) tile_avx512<KIND, NWT, MTT>(x, w, K, n0, r0, out, N);
+    else tile_avx2<KIND, NWT, MTT>(x, w, K, n0, r0, out, N);
+}
+
+template <int KIND>
+void matmul(const float* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, float* out) {
+    const int isa = brisk_kernels_isa();
+    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) if (tasks > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n_begin = t * ROWS_PER_TASK, n_end = std::min(N, n_begin + ROWS_PER_TASK);
+        if (isa < 2) {
+            rows_scalar<KIND>(x, w, M, K, n_begin, n_end, out, N);
+            continue;
+        }
+        int64_t r = 0;
+        for (; r + MT <= M; r += MT) {
+            int64_t n = n_begin;
+            for (; n + NW <= n_end; n += NW) tile<KIND, NW, MT>(isa, x, w, K, n, r, out, N);
+            for (; n < n_end; n++) tile<KIND, 1, MT>(isa, x, w, K, n, r, out, N);
+        }
+        for (; r < M; r++) {
+            int64_t n = n_begin;
+            for (; n + NW <= n_end; n += NW) tile<KIND, NW, 1>(isa, x, w, K, n, r, out, N);
+            for (; n < n_end; n++) tile<KIND, 1, 1>(isa, x, w, K, n, r, out, N);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [M, N] = x [M, K] . W^T, W [N, K] of 16-bit floats: kind 1 bfloat16, 2 float16 (kv_types.h).
+// Returns 0, or 1 for another kind (nothing written).
+int brisk_half_matmul(const float* x, const uint16_t* w, int kind, int64_t M, int64_t N, int64_t K, float* out) {
+    if (kind == kvt::BF16) matmul<kvt::BF16>(x, w, M, N, K, out);
+    else if (kind == kvt::F16) matmul<kvt::F16>(x, w, M, N, K, out);
+    else return 1;
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,128 @@
+"""bfloat16 and float16 checkpoints keep their 16-bit weights on CPU (half_matmul.cpp widens them in
+registers; activations stay float32). The kernel against float64 on every ISA path, a row's bits
+independent of the batch, and whole models saved by transformers against transformers' own float32
+forward on the same weights; the memory they take; the explicit overrides; the refusal for a GGUF."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from brisk import kernels
+from brisk.errors import BriskError
+from brisk.loading import memory_plan
+from brisk.loading.loader import load
+from brisk.models.simple_cache import SingleSequenceCache
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="compiled kernels not built")
+
+HALVES = {"bf16": torch.bfloat16, "f16": torch.float16}
+PATHS = {"avx512": 3, "avx2": 2, "portable": 0}
+SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 37), (6, 33, 100), (17, 68, 2048)]  # K tails, N tails, M tails
+
+
+@pytest.fixture
+def forced_isa(request):
+    lib = kernels.library()
+    isa = PATHS[request.param]
+    if isa > lib.brisk_kernels_isa():
+        pytest.skip(f"this CPU has no {request.param} path")
+    lib.brisk_kernels_force_isa(isa)
+    yield isa
+    lib.brisk_kernels_force_isa(-1)
+
+
+@pytest.mark.parametrize("forced_isa", sorted(PATHS), indirect=True)
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_kernel_matches_float64_and_a_row_does_not_depend_on_its_batch(forced_isa, half):
+    gen = torch.Generator().manual_seed(forced_isa * 10 + len(half))
+    for m, n, k in SHAPES:
+        x = torch.randn(m, k, generator=gen)
+        w = (torch.randn(n, k, generator=gen) * 0.2).to(HALVES[half])
+        out = kernels.half_matmul(x, w)
+        exact = x.double() @ w.double().T  # the stored weights are exact in float64
+        magnitude = x.double().abs() @ w.double().abs().T
+        assert ((out.double() - exact).abs() <= 1e-5 * magnitude + 1e-30).all(), (m, n, k)
+        alone = torch.cat([kernels.half_matmul(x[i:i + 1].contiguous(), w) for i in range(m)])
+        assert torch.equal(alone, out), (m, n, k)
+
+
+VOCAB = 128
+
+
+def _checkpoint(path, dtype, tie):
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=tie)
+    LlamaForCausalLM(config).to(dtype).save_pretrained(path)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A bfloat16 checkpoint with its own LM head, a float16 one with tied embeddings."""
+    return {"bf16": _checkpoint(tmp_path_factory.mktemp("llama-bf16"), torch.bfloat16, tie=False),
+            "f16": _checkpoint(tmp_path_factory.mktemp("llama-f16"), torch.float16, tie=True)}
+
+
+IDS = [3, 77, 12, 5, 99, 41, 8, 63, 120, 1, 17, 54]
+
+
+def _brisk_logits(loaded):
+    cache = SingleSequenceCache(loaded.config, len(IDS), torch.float32, "cpu")
+    cache.begin(len(IDS))
+    with torch.inference_mode():
+        return loaded.model.compute_logits(loaded.model(torch.tensor(IDS), torch.arange(len(IDS)), cache))
+
+
+def _hf_float32_logits(path):
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([IDS])).logits[0]
+
+
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_auto_keeps_the_checkpoints_16_bit_weights_and_matches_hf_float32(checkpoints, half):
+    path = checkpoints[half]
+    loaded = load(str(path), warmup=False)
+    assert loaded.dtype == torch.float32  # activations, norms, KV: float32 compute
+    formats = loaded.report.weight_formats
+    assert formats["qkv_proj"] == formats["o_proj"] == formats["gate_up_proj"] == formats["down_proj"] == half
+    assert formats["lm_head"] == formats["embed_tokens"] == half
+    torch.testing.assert_close(_brisk_logits(loaded), _hf_float32_logits(path), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_weights_take_their_stored_bytes_and_the_memory_check_agrees(checkpoints, half):
+    path = checkpoints[half]
+    kept = load(str(path), warmup=False)
+    widened = load(str(path), dtype="float32", warmup=False)
+    assert kept.report.weight_bytes == memory_plan.checkpoint_weight_bytes(path, half, 4)
+    norms = sum(p.numel() for n, p in widened.model.named_parameters() if "norm" in n)
+    assert kept.report.weight_bytes == (widened.report.weight_bytes - 4 * norms) // 2 + 4 * norms
+
+
+def test_an_explicit_dtype_overrides_auto(checkpoints):
+    path = checkpoints["bf16"]
+    float32 = load(str(path), dtype="float32", warmup=False)
+    assert float32.report.weight_formats == {} and float32.dtype == torch.float32
+    bf16_compute = load(str(path), dtype="bfloat16", warmup=False)
+    assert bf16_compute.report.weight_formats == {} and bf16_compute.dtype == torch.bfloat16
+    # and --quantization bf16 asks for 16-bit storage whatever --dtype says
+    torch.testing.assert_close(_brisk_logits(float32), _hf_float32_logits(path), rtol=1e-4, atol=1e-4)
+    kept = load(str(path), quantization="bf16", warmup=False)
+    assert kept.report.weight_formats["down_proj"] == "bf16"
+
+
+def test_a_gguf_refuses_16_bit_storage_in_one_line(demo_gguf_path):
+    with pytest.raises(BriskError, match="is a GGUF: use --quantization auto"):
+        load(str(demo_gguf_path), quantization="bf16", warmup=False)
+    proc = subprocess.run([sys.executable, "-m", "brisk", "generate", "-m", str(demo_gguf_path), "-q", "f16", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("brisk: error:")
