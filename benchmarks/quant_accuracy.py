@@ -11,7 +11,9 @@ Formats: `auto` (the GGUF's own Q4_1 linears as int4 with offsets, its Q8_0 embe
 as int8: what brisk serves by default), `int8` and `int4` (every matrix requantized from the
 dequantized values), and `auto` with float activations (the same int4/int8 weights through
 the torch reference matmul without int8 activation blocks: it isolates the kernel's
-activation quantization from the weights' own).
+activation quantization from the weights' own), and `bf16`/`f16` (the reference's float32 weights
+rounded to 16 bits and run by half_matmul.cpp with float32 activations: what a bfloat16 or float16
+checkpoint of the same model gives).
 
     .venv/bin/python benchmarks/quant_accuracy.py [--min-positions 2000]
 """
@@ -97,13 +99,15 @@ def main() -> None:
     if positions < args.min_positions:  # each text again after the others: longer contexts, new positions
         texts += [sum(texts, [])[: args.min_positions - positions + 1]]
     ref = [logits_per_position(reference, ids) for ids in texts]
+    float_dir = str(reference.model_dir)  # the float32 safetensors directory the reference ran from
     del reference
     print("| format | weights MB | positions | top-1 agreement | mean KL | KL p99 | max logit diff |")
     print("|---|---|---|---|---|---|---|")
-    runs = [("auto", "auto", False), ("auto, float activations", "auto", True), ("int8", "int8", False),
-            ("int4", "int4", False)]
-    for label, mode, float_acts in runs:
-        loaded = load(args.model, quantization=mode)
+    runs = [("auto", "auto", False, args.model), ("auto, float activations", "auto", True, args.model),
+            ("int8", "int8", False, args.model), ("int4", "int4", False, args.model),
+            ("bf16", "bf16", False, float_dir), ("f16", "f16", False, float_dir)]
+    for label, mode, float_acts, source in runs:
+        loaded = load(source, quantization=mode)
         if float_acts:
             with mock.patch.object(kernels, "quant_matmul", float_activation_matmul):
                 got = [logits_per_position(loaded, ids) for ids in texts]

@@ -316,7 +316,7 @@ def test_demo_model_is_served_quantized_with_a_load_report(demo):
     assert formats["embed_tokens"] == formats["lm_head"] == "int8"  # its Q8_0 embedding, tied head
     assert demo.model.lm_head.qweight is demo.model.model.embed_tokens.qweight  # one copy
     assert 80e6 < demo.report.weight_bytes < 120e6  # vs 538 MB as float32
-    assert any("quantized weights: " in line and "qkv_proj int4+min" in line for line in demo.report.lines())
+    assert any("weight formats: " in line and "qkv_proj int4+min" in line for line in demo.report.lines())
     assert demo.report.to_dict()["weight_formats"] == formats
 
 

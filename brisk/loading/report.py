@@ -55,7 +55,7 @@ class LoadReport:
                f"{self.dtype} on {self.device}" + (f", KV cache {self.kv_cache_dtype}" if self.kv_cache_dtype else "")
                + (f", conversion cache {self.conversion_cache}" if self.conversion_cache else "") + ")"]
         if self.weight_formats:
-            out.append("  quantized weights: " + ", ".join(f"{k} {v}" for k, v in self.weight_formats.items()))
+            out.append("  weight formats: " + ", ".join(f"{k} {v}" for k, v in self.weight_formats.items()))
         out += [f"  {name:<20} {ms:9.1f} ms" for name, ms in self.phases_ms.items()]
         out.append(f"  {'total':<20} {self.total_ms:9.1f} ms")
         return out
