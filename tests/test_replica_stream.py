@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from brisk.cli import build_parser
+from brisk.cluster.messages import Accepted
 from brisk.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # Ray Serve replicas: `pytest -m 'not slow'` skips it locally
@@ -44,7 +45,7 @@ def test_stream_interval_batches_tokens_without_losing_any(replica):
     one = _messages(replica, 1, prompt, 21)
     four = _messages(replica, 4, prompt, 21)
     for messages in (one, four):
-        assert messages[0] == ("accepted",)
+        assert messages[0] == Accepted()
         outputs = [o for batch in messages[1:] for o in batch]
         assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
         deltas = [t for o in outputs for t in o.delta_token_ids]
@@ -79,7 +80,7 @@ def test_with_a_channel_outputs_take_the_socket_and_the_ray_stream_only_accepts(
         return ray_items, received
 
     ray_items, received = asyncio.run(run())
-    assert ray_items == [("accepted",)]
+    assert ray_items == [Accepted()]
     assert {rid for rid, _ in received} == {"via-channel"}
     outputs = [o for _, batch in received for o in batch]
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])

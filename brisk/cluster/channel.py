@@ -15,7 +15,7 @@ only inside Ray's own calls. A connection that does not present it within HELLO_
 closed before anything is unpickled.
 
 Frames: a 4-byte big-endian length, then a pickled list of (request_id, item); item is a list of
-RequestOutputs or ("dead", message) when the replica's engine loop stopped.
+RequestOutputs or an `EngineDead` (brisk/cluster/messages.py) when the replica's engine loop stopped.
 """
 
 from __future__ import annotations

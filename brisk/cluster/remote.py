@@ -22,6 +22,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from brisk.cluster.messages import Accepted, ChannelLost, EngineDead, Failure, Invalid
 from brisk.engine.client import ModelInfo
 from brisk.engine.errors import EngineDeadError
 from brisk.engine.kv_cache.hashing import hash_full_blocks
@@ -127,13 +128,11 @@ class RemoteEngine:
         except BaseException:
             self._open.pop(request_id, None)
             raise
-        if first[0] != "accepted":
+        if not isinstance(first, Accepted):
             self._open.pop(request_id, None)
-            if first[0] == "invalid":
-                raise ReplicaParamError(first[1], first[2])
-            if first[0] == "lost":
-                raise _replica_lost(request_id, first[1])
-            raise _engine_dead(first[1])
+            if isinstance(first, Invalid):
+                raise ReplicaParamError(first.message, first.field)
+            raise self._failure(request_id, first)
         task = asyncio.create_task(self._pump(gen, request_id))
         self._tasks[request_id] = (task, gen)
         task.add_done_callback(lambda _t, rid=request_id: self._tasks.pop(rid, None))
@@ -163,8 +162,8 @@ class RemoteEngine:
         if sink is None:
             return False
         queue, tag = sink
-        if isinstance(item, tuple):  # ("dead" | "lost", message)
-            self._end(request_id, _engine_dead(item[1]) if item[0] == "dead" else _replica_lost(request_id, item[1]))
+        if isinstance(item, (EngineDead, ChannelLost)):
+            self._end(request_id, self._failure(request_id, item))
             return False
         for out in item:
             out.produced_at = 0.0  # the replica's clock, maybe another host's: not comparable
@@ -173,6 +172,15 @@ class RemoteEngine:
             self._open.pop(request_id, None)
             return False
         return True
+
+    @staticmethod
+    def _failure(request_id: str, message: Failure) -> Exception:
+        """The error a request ends with when its replica says it failed."""
+        if isinstance(message, ChannelLost):
+            return _replica_lost(request_id, message.message)
+        if isinstance(message, EngineDead):
+            return _engine_dead(message.message)
+        raise TypeError(f"request {request_id}: unexpected message from the replica: {message!r}")
 
     def _end(self, request_id: str, error: BaseException) -> None:
         sink = self._open.pop(request_id, None)

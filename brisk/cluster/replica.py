@@ -6,14 +6,14 @@ Serve. `check_health` fails once the engine loop died, so Serve replaces the rep
 
 The ingress (brisk.cluster.remote) speaks to it with plain picklable values:
 - `info()`: what the HTTP layer needs of the model (tokenizer, limits, load report);
-- `generate(...)`: a stream whose first item is ("accepted",) or ("invalid", message, field) or
-  ("dead", message). Then the outputs: lists of RequestOutputs (every output ready at once; with
-  --stream-interval N, held until N new tokens, except the first token and the last output),
-  ending with the finished one, or ("dead", message) if the engine loop died meanwhile. With a
-  `channel` (the ingress's (host, port, key), brisk.cluster.channel) they go over that TCP
-  connection, one frame per engine step for all of that ingress's streams, and the Ray stream ends
-  once the last one is on the socket, or yields ("lost", message) if the channel broke; without,
-  each list is one more item of the Ray stream (--replica-stream ray);
+- `generate(...)`: a stream whose first item is `Accepted`, or `Invalid` / `EngineDead` /
+  `ChannelLost` (brisk/cluster/messages.py). Then the outputs: lists of RequestOutputs (every
+  output ready at once; with --stream-interval N, held until N new tokens, except the first token
+  and the last output), ending with the finished one, or `EngineDead` if the engine loop died
+  meanwhile. With a `channel` (the ingress's (host, port, key), brisk.cluster.channel) they go over
+  that TCP connection, one frame per engine step for all of that ingress's streams, and the Ray
+  stream ends once the last one is on the socket, or yields `ChannelLost` if the channel broke;
+  without, each list is one more item of the Ray stream (--replica-stream ray);
 - `stats()`: (replica id, EngineStats) for the ingress's /metrics.
 Closing the stream (client gone, timeout) cancels the generator here, which aborts the request.
 """
@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 from brisk.cluster.channel import ChannelPool
+from brisk.cluster.messages import Accepted, ChannelLost, EngineDead, Invalid
 from brisk.engine.errors import EngineDeadError
 from brisk.loading.report import LoadReport
 
@@ -85,16 +86,16 @@ class EngineReplica:
         try:
             params = await self._compile_grammar(params)
         except ValueError as e:
-            yield ("invalid", str(e), getattr(e, "field", None))
+            yield Invalid(str(e), getattr(e, "field", None))
             return
         client = None
         if channel is not None:
             try:
                 client = await self._channels.get(tuple(channel))
             except OSError as e:
-                yield ("lost", f"replica {self.replica_id} cannot reach the ingress's output channel at "
-                               f"{channel[0]}:{channel[1]} ({e}); check that the nodes can connect to each other "
-                               "on any port, or serve with --replica-stream ray")
+                yield ChannelLost(f"replica {self.replica_id} cannot reach the ingress's output channel at "
+                                  f"{channel[0]}:{channel[1]} ({e}); check that the nodes can connect to each other "
+                                  "on any port, or serve with --replica-stream ray")
                 return
         ready: asyncio.Queue = asyncio.Queue()  # --replica-stream ray: the groups to yield
         emit = ready.put_nowait if client is None else (lambda item: client.send(request_id, item))
@@ -103,12 +104,12 @@ class EngineReplica:
             stream = await self.engine.add(prompt_ids, params, request_id=request_id, priority=priority,
                                            cache_salt=cache_salt, sink=(batcher, None))
         except EngineDeadError as e:
-            yield ("dead", str(e))
+            yield EngineDead(str(e))
             return
         except ValueError as e:
-            yield ("invalid", str(e), getattr(e, "field", None))
+            yield Invalid(str(e), getattr(e, "field", None))
             return
-        yield ("accepted",)
+        yield Accepted()
         try:
             if client is not None:
                 await batcher.done  # the outputs go out from the engine's callbacks, a frame per step
@@ -120,7 +121,7 @@ class EngineReplica:
                 while not ready.empty():  # groups that piled up go as one Ray message
                     groups.append(ready.get_nowait())
                 outputs = [out for group in groups if isinstance(group, list) for out in group]
-                failure = next((group for group in groups if isinstance(group, tuple)), None)
+                failure = next((group for group in groups if isinstance(group, EngineDead)), None)
                 if outputs:
                     yield outputs
                 if failure is not None or (outputs and outputs[-1].finished):
@@ -129,7 +130,7 @@ class EngineReplica:
                         yield failure
                     return
         except ConnectionError as e:  # the channel to the ingress broke: this request ends here
-            yield ("lost", f"replica {self.replica_id} lost its output channel to the ingress: {e}")
+            yield ChannelLost(f"replica {self.replica_id} lost its output channel to the ingress: {e}")
         finally:  # finished: nothing to abort; cancelled (the ingress closed the stream): abort
             stream.close()
             batcher.done.cancel()  # outputs still in flight are dropped, not sent after the end
@@ -166,7 +167,7 @@ class EngineReplica:
 class _OutputBatcher:
     """One request's sink in the engine (AsyncLLMEngine calls `put_nowait((tag, item))` on this
     replica's event loop, once per step): groups its outputs per --stream-interval (the first token
-    and the last output at once) and hands each group to `emit`, or ("dead", message) when the
+    and the last output at once) and hands each group to `emit`, or `EngineDead` when the
     engine loop stopped; `done` resolves then, or fails with the channel's ConnectionError.
 
     The server asks for "delta" outputs, which carry their cumulative `text` on the last one only
@@ -186,7 +187,7 @@ class _OutputBatcher:
         try:
             if isinstance(item, BaseException):
                 self._flush()
-                self.emit(("dead", str(item)))
+                self.emit(EngineDead(str(item)))
                 self.done.set_result(None)
                 return
             self.pending.append(item)
