@@ -22,6 +22,7 @@ llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
 
     .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
         [--work DIR] [--types Q4_0,Q8_0,BF16,demo] [--systems brisk,brisk-f32,llama-server] [--concurrency 1,16,64]
+        [--long-prompt 1000]
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def command(system: str, gguf: Path, port: int, args) -> list[str]:
             (["--dtype", "float32"] if system == "brisk-f32" else [])
     slots = max(levels)
     return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_ID,
-            "--parallel", str(slots), "-c", str(slots * SLOT_CONTEXT), "-t", str(os.cpu_count() or 2)]
+            "--parallel", str(slots), "-c", str(slots * max(SLOT_CONTEXT, args.long_prompt + 64)),
+            "-t", str(os.cpu_count() or 2)]
 
 
 def memory_mb(pid: int) -> tuple[float, float]:
@@ -139,6 +141,7 @@ def run_one(system: str, kind: str, args) -> str:
         return f"| {kind} | {system} | failed: {e} (see {log}) |"
     try:
         runs = {c: bench(url, c, args.work / f"{system}-{kind}-c{c}.json", model=MODEL_ID) for c in levels}
+        long_ttft = long_prompt_ttft(url, args, args.work / f"{system}-{kind}-long.json") if args.long_prompt else None
         rss, hwm = memory_mb(proc.pid)
     except subprocess.CalledProcessError as e:
         return f"| {kind} | {system} | bench failed: {e.stderr[-300:]} |"
@@ -146,8 +149,20 @@ def run_one(system: str, kind: str, args) -> str:
         stop(proc)
     cells = " | ".join(f"{runs[c]['output_throughput']:.1f}" for c in levels)
     top = runs[levels[-1]]
+    long_cell = "" if long_ttft is None else f" {long_ttft:.2f} s |"
     return (f"| {kind} | {system} | {first_start}{ready:.1f} s | {cells} | {top['median_ttft_ms'] / 1e3:.2f} s "
-            f"| {rss:.0f} / {hwm:.0f} MB | {sum(r['failed'] for r in runs.values())} |")
+            f"|{long_cell} {rss:.0f} / {hwm:.0f} MB | {sum(r['failed'] for r in runs.values())} |")
+
+
+def long_prompt_ttft(url: str, args, out: Path) -> float:
+    """Median time to first token of 3 single requests with --long-prompt prompt tokens (prefill)."""
+    import json
+
+    cmd = [sys.executable, "-m", "brisk", "bench", url, "--model", MODEL_ID, "--endpoint", "completions",
+           "--concurrency", "1", "--num-requests", "3", "--warmup", "1", "--input-len", str(args.long_prompt),
+           "--output-len", "4", "--json", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+    return json.loads(out.read_text())["runs"][0]["median_ttft_ms"] / 1e3
 
 
 def main() -> None:
@@ -157,6 +172,8 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_0,Q8_0,demo")
     parser.add_argument("--systems", default="brisk,llama-server")
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--long-prompt", type=int, default=0,
+                        help="also time the first token of a prompt of this many tokens, alone (prefill)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     systems = args.systems.split(",")
@@ -172,8 +189,9 @@ def main() -> None:
             print(rows[-1], flush=True)
     print()
     print("| model | server | ready after start (brisk: cold cache / warm) | "
-          + " | ".join(f"tok/s @{c}" for c in levels) + f" | TTFT p50 @{levels[-1]} | RSS / peak | failed |")
-    print("|---|---|---|" + "---|" * len(levels) + "---|---|---|")
+          + " | ".join(f"tok/s @{c}" for c in levels) + f" | TTFT p50 @{levels[-1]} |"
+          + (f" TTFT, {args.long_prompt}-token prompt alone |" if args.long_prompt else "") + " RSS / peak | failed |")
+    print("|---|---|---|" + "---|" * len(levels) + "---|" + ("---|" if args.long_prompt else "") + "---|---|")
     print("\n".join(rows))
 
 

@@ -35,19 +35,43 @@ def forced_isa(request):
     lib.brisk_kernels_force_isa(-1)
 
 
+def _operands(seed, half):
+    gen = torch.Generator().manual_seed(seed)
+    for m, n, k in SHAPES:
+        yield torch.randn(m, k, generator=gen), (torch.randn(n, k, generator=gen) * 0.2).to(HALVES[half])
+
+
+@pytest.mark.parametrize("layout", ["rows", "panels"])
 @pytest.mark.parametrize("forced_isa", sorted(PATHS), indirect=True)
 @pytest.mark.parametrize("half", sorted(HALVES))
-def test_kernel_matches_float64_and_a_row_does_not_depend_on_its_batch(forced_isa, half):
-    gen = torch.Generator().manual_seed(forced_isa * 10 + len(half))
-    for m, n, k in SHAPES:
-        x = torch.randn(m, k, generator=gen)
-        w = (torch.randn(n, k, generator=gen) * 0.2).to(HALVES[half])
-        out = kernels.half_matmul(x, w)
+def test_kernel_matches_float64_and_a_row_does_not_depend_on_its_batch(forced_isa, half, layout):
+    for x, w in _operands(forced_isa * 10 + len(half), half):
+        m, n, k = x.shape[0], w.shape[0], x.shape[1]
+        stored = kernels.pack_half(w) if layout == "panels" else w
+        if layout == "panels":
+            assert torch.equal(kernels.unpack_half(stored, n), w)
+        out = kernels.half_matmul(x, stored, n)
         exact = x.double() @ w.double().T  # the stored weights are exact in float64
         magnitude = x.double().abs() @ w.double().abs().T
         assert ((out.double() - exact).abs() <= 1e-5 * magnitude + 1e-30).all(), (m, n, k)
-        alone = torch.cat([kernels.half_matmul(x[i:i + 1].contiguous(), w) for i in range(m)])
+        alone = torch.cat([kernels.half_matmul(x[i:i + 1].contiguous(), stored, n) for i in range(m)])
         assert torch.equal(alone, out), (m, n, k)
+
+
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_panels_give_the_same_bits_on_every_path(half):
+    """Each output is one fma per k in k order on every path (the portable loop uses std::fma)."""
+    lib = kernels.library()
+    for x, w in _operands(5, half):
+        panels = kernels.pack_half(w)
+        outs = []
+        try:
+            for isa in sorted({min(v, lib.brisk_kernels_isa()) for v in PATHS.values()}):
+                lib.brisk_kernels_force_isa(isa)
+                outs.append(kernels.half_matmul(x, panels, w.shape[0]))
+        finally:
+            lib.brisk_kernels_force_isa(-1)
+        assert all(torch.equal(o, outs[0]) for o in outs), x.shape
 
 
 VOCAB = 128
@@ -94,6 +118,9 @@ def test_auto_keeps_the_checkpoints_16_bit_weights_and_matches_hf_float32(checkp
     formats = loaded.report.weight_formats
     assert formats["qkv_proj"] == formats["o_proj"] == formats["gate_up_proj"] == formats["down_proj"] == half
     assert formats["lm_head"] == formats["embed_tokens"] == half
+    layer = loaded.model.model.layers[0]
+    assert layer.mlp.down_proj.qweight.dim() == 3  # linears in panels; embeddings by row
+    assert loaded.model.model.embed_tokens.qweight.dim() == 2
     torch.testing.assert_close(_brisk_logits(loaded), _hf_float32_logits(path), rtol=1e-4, atol=1e-4)
 
 

@@ -90,16 +90,37 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 HALF_KINDS = {torch.bfloat16: 1, torch.float16: 2}  # half_matmul.cpp's kinds (kv_types.h's codes)
 
 
-def half_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 contiguous CPU -> [M, N] float32 with W [N, K] bfloat16 or float16 as
-    stored, multiplied in float32 (half_matmul.cpp); without the kernels, torch in float32."""
+HALF_PANEL = 16  # weight rows per panel of the packed 16-bit layout (half_matmul.cpp, "panels")
+
+
+def pack_half(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] 16-bit weights -> panels [ceil(N/16), K, 16]: each panel's 16 rows side by side for
+    every k (rows past N zero), the layout half_matmul.cpp multiplies fastest at every row count."""
+    n, k = weight.shape
+    panels = -(-n // HALF_PANEL)
+    if panels * HALF_PANEL != n:
+        weight = torch.cat([weight, weight.new_zeros(panels * HALF_PANEL - n, k)])
+    return weight.reshape(panels, HALF_PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_half(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `pack_half`: [N, K]."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
+
+
+def half_matmul(x: torch.Tensor, weight: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 contiguous CPU -> [M, N] float32 with W bfloat16 or float16 as stored, [N, K]
+    or packed in panels (`pack_half`, 3-D; `n` = N), multiplied in float32 (half_matmul.cpp);
+    without the kernels, torch in float32."""
+    panels = weight.dim() == 3
+    n = n if n is not None else weight.shape[0] * (HALF_PANEL if panels else 1)
     lib = library()
     if lib is None:
-        return x @ weight.float().T
+        return x @ (unpack_half(weight, n) if panels else weight).float().T
     m, k = x.shape
-    out = torch.empty(m, weight.shape[0], dtype=torch.float32)
-    lib.brisk_half_matmul(x.data_ptr(), weight.data_ptr(), HALF_KINDS[weight.dtype], m, weight.shape[0], k,
-                          out.data_ptr())
+    out = torch.empty(m, n, dtype=torch.float32)
+    call = lib.brisk_half_matmul_panels if panels else lib.brisk_half_matmul
+    call(x.data_ptr(), weight.data_ptr(), HALF_KINDS[weight.dtype], m, n, k, out.data_ptr())
     return out
 
 
@@ -258,7 +279,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.T
     """Quantized blocks -> dense [N, K] weights (w = d * q + m; int4 without m: m = -8 d); 16-bit
     float weights (bits 16) are widened (exact)."""
     if bits == 16:
-        return qweight.to(dtype)
+        return (unpack_half(qweight, qweight.shape[0] * HALF_PANEL) if qweight.dim() == 3 else qweight).to(dtype)
     if qweight.dim() == 3:
         qweight, scales, mins = untile_int4(qweight, scales, mins)
     q = unpack_int4(qweight) if bits == 4 else qweight

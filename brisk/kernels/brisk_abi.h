@@ -15,7 +15,7 @@ struct BriskQuantWeight {
     const uint16_t* m;  // null: no offsets
     const float* bias;  // null: no bias
     int64_t bits, n, k;
-    int64_t tiled;  // int4 in tiles of 8 rows
+    int64_t tiled;  // int4 in tiles of 8 rows; 16-bit floats in panels of 16 rows
     int64_t half;   // bits 16: 1 bfloat16, 2 float16
 };
 
@@ -54,6 +54,9 @@ void brisk_kernels_force_isa(int isa);
 // half_matmul.cpp: out [M, N] = x [M, K] . W^T, W 16-bit floats (kind 1 bfloat16, 2 float16);
 // 0, or 1 for another kind. Takes brisk_kernels_isa()'s path.
 int brisk_half_matmul(const float* x, const uint16_t* w, int kind, int64_t M, int64_t N, int64_t K, float* out);
+// the same with W in panels of 16 rows, [ceil(N/16)][K][16] (brisk.kernels.pack_half)
+int brisk_half_matmul_panels(const float* x, const uint16_t* w, int kind, int64_t M, int64_t N, int64_t K,
+                             float* out);
 
 // paged_attention.cpp: 0, or a nonzero code for a shape the kernel does not take.
 int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_dtype,

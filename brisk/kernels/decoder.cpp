@@ -23,7 +23,9 @@ using Dims = BriskDims;
 using Scratch = BriskScratch;
 
 void matmul(const QuantWeight& w, const float* x, int64_t rows, const Scratch& s, float* out) {
-    if (w.bits == 16)
+    if (w.bits == 16 && w.tiled)
+        brisk_half_matmul_panels(x, reinterpret_cast<const uint16_t*>(w.q), (int)w.half, rows, w.n, w.k, out);
+    else if (w.bits == 16)
         brisk_half_matmul(x, reinterpret_cast<const uint16_t*>(w.q), (int)w.half, rows, w.n, w.k, out);
     else
         brisk_quant_matmul(x, w.q, w.d, w.m, (int)w.bits, (int)w.tiled, rows, w.n, w.k, s.xq, s.xd, s.xs, out);

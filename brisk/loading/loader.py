@@ -153,15 +153,20 @@ def _place(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.
     return {n: t if t.dtype == dtype or _is_quantized(n) else t.to(dtype) for n, t in tensors.items()}
 
 
-def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str) -> None:
-    """--quantization int8/int4 on a float checkpoint: every linear weight (and the LM head)
-    becomes quantized blocks; the float originals are dropped."""
+def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str,
+                      maps: list[safetensors_io.MappedFile] = ()) -> None:
+    """--quantization int8/int4/bf16/f16 on a float checkpoint: every linear weight (and the LM
+    head; for bf16/f16 the embeddings too) becomes quantized blocks or 16-bit floats; the float
+    originals are dropped (a mapped original gives its pages back once a new copy replaces it)."""
     for name in [n for n in tensors if quant.converts(n, method)]:
         quant.check_quantizable(name, tuple(tensors[name].shape), method)
         base = name.removesuffix(".weight")
-        blocks = quant.QUANTIZERS[method](tensors.pop(name))
-        if method == "int4" and quant.tileable(name, quant.method_format(method), blocks["qweight"].shape[0]):
+        original = tensors.pop(name)
+        blocks = quant.QUANTIZERS[method](original)
+        if quant.tileable(name, quant.method_format(method), blocks["qweight"].shape[0]):
             blocks = quant.tile(blocks)
+        if blocks["qweight"].data_ptr() != original.data_ptr():
+            any(m.release(original) for m in maps)
         for suffix, t in blocks.items():
             tensors[f"{base}.{suffix}"] = t
 
@@ -288,7 +293,7 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
             net = DecoderForCausalLM(cfg)
         tensors = model_state(shards, cfg)
         if quantization in quant.QUANTIZERS and not any(_is_quantized(n) for n in tensors):
-            _quantize_at_load(tensors, quantization)
+            _quantize_at_load(tensors, quantization, maps)
         if dev.type != "cpu":  # NOTE: the quantized kernels are CPU kernels; elsewhere weights run in float
             _dequantize_all(tensors)
         report.weight_bytes = sum(t.numel() * (t.element_size() if _is_quantized(n) or not t.is_floating_point()

@@ -1,5 +1,6 @@
 """Weight-only quantized layers: int4 and int8 in blocks of 32 input features (GGML's blocks), and
-bfloat16/float16 weights kept as the checkpoint stores them (`qweight` of that dtype, no scales).
+bfloat16/float16 weights kept as the checkpoint stores them (`qweight` of that dtype, no scales;
+linears packed in panels of 16 rows at load, 3-D [N/16, K, 16]: brisk.kernels.pack_half).
 
 A quantized linear `name` is stored as three tensors beside each other in the checkpoint:
 `name.qweight` (uint8 [N, K/2] for int4, two values a byte in GGUF's nibble order; int8
@@ -58,8 +59,8 @@ class QuantFormat:
         qweight = tensors.get(f"{prefix}.qweight")
         if qweight is None:
             return None
-        if qweight.dtype in HALF_NAMES:
-            return cls(16, False, False, qweight.dtype)
+        if qweight.dtype in HALF_NAMES:  # 3-D: packed in panels of 16 rows (brisk.kernels.pack_half)
+            return cls(16, False, qweight.dim() == 3, qweight.dtype)
         return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors, qweight.dim() == 3)
 
 
@@ -69,8 +70,9 @@ class _Blocks(nn.Module):
     def __init__(self, rows: int, cols: int, fmt: QuantFormat):
         super().__init__()
         self.fmt = fmt
-        if fmt.bits == 16:  # 16-bit floats as stored: any shape, no scales
-            self.register_buffer("qweight", torch.empty((rows, cols), dtype=fmt.half))
+        if fmt.bits == 16:  # 16-bit floats: rows as stored, or in panels of 16 rows; no scales
+            shape = (rows // kernels.HALF_PANEL, cols, kernels.HALF_PANEL) if fmt.tiled else (rows, cols)
+            self.register_buffer("qweight", torch.empty(shape, dtype=fmt.half))
             self.scales = self.mins = None
             return
         if cols % QK:
@@ -105,7 +107,10 @@ class QuantLinear(_Blocks):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
-        out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.bits)
+        if self.fmt.bits == 16:
+            out = kernels.half_matmul(flat, self.qweight, self.out_features)
+        else:
+            out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.bits)
         if self.bias is not None:
             out += self.bias
         if x.dim() != 2:
@@ -180,12 +185,20 @@ HALF_METHODS = {"bf16": torch.bfloat16, "f16": torch.float16}  # the QUANTIZERS 
 
 
 def tileable(name: str, fmt: QuantFormat | None, rows: int) -> bool:
-    """Whether a weight is stored tiled: int4 linears (not embeddings) whose rows fill whole tiles."""
-    return fmt is not None and fmt.bits == 4 and rows % kernels.TILE_ROWS == 0 and is_quantizable_weight(name)
+    """Whether a weight is stored tiled: int4 linears (not embeddings) whose rows fill whole tiles of
+    8, and 16-bit linears whose rows fill whole panels of 16 (brisk.kernels.pack_half)."""
+    if fmt is None or not is_quantizable_weight(name):
+        return False
+    if fmt.bits == 16:
+        return rows % kernels.HALF_PANEL == 0
+    return fmt.bits == 4 and rows % kernels.TILE_ROWS == 0
 
 
 def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A weight's int4 blocks (qweight/scales/mins) in the row layout -> the tiled layout."""
+    """A weight's int4 blocks (qweight/scales/mins) in the row layout -> the tiled layout; 16-bit
+    weights -> panels."""
+    if blocks["qweight"].dtype in HALF_NAMES:
+        return {"qweight": kernels.pack_half(blocks["qweight"])}
     qweight, scales, mins = kernels.tile_int4(blocks["qweight"], blocks["scales"], blocks.get("mins"))
     return {"qweight": qweight, "scales": scales, **({"mins": mins} if mins is not None else {})}
 
