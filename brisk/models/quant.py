@@ -37,8 +37,9 @@ HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weig
 class QuantFormat:
     bits: int  # 4 or 8; 16: bfloat16/float16 weights kept as stored, no scales (half_matmul.cpp)
     has_mins: bool
-    # int4 only: stored in tiles of 8 rows (brisk.kernels.tile_int4), the layout the kernel reads
-    # fastest; brisk's conversion writes linears so, embeddings (looked up by row) in the row layout
+    # int4: stored in tiles of 8 rows (brisk.kernels.tile_int4), the layout the kernel reads fastest;
+    # 16-bit: in panels of 16 rows (brisk.kernels.pack_half). Linears are stored so, embeddings
+    # (looked up by row) in the row layout
     tiled: bool = False
     half: torch.dtype | None = None  # bits 16: torch.bfloat16 or torch.float16
 
