@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from kv_blocks import scattered
 from brisk import kernels
 from brisk.engine.attention import PagedKVCache, block_tables
 from brisk.errors import BriskError
@@ -119,17 +120,6 @@ def test_kernel_widens_every_code_exactly(lib, isa, staged, kv):
     assert torch.equal(out[0, :dim], want[0, 0]) and torch.equal(out[0, dim:], want[0, 0])
 
 
-def scattered(lengths: list[int], bs: int, num_blocks: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    pool = list(range(1, num_blocks))
-    rng.shuffle(pool)
-    tables, used = [], 0
-    for n in lengths:
-        tables.append(pool[used:used + -(-n // bs)])
-        used += -(-n // bs)
-    return tables
-
-
 def float64_attention(q, keys, values, tables, lengths, bs, scale, window=None, softcap=None) -> torch.Tensor:
     """Each row over its context (or its last `window` positions), in float64: scores, Gemma 2's
     soft-capping when asked, softmax, the weighted sum of V; GQA groups as the kernel reads them."""
@@ -165,7 +155,7 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
     cache.store(0, *torch.randn(2, num_blocks * bs, kv_heads, dim, generator=gen), slots)
     keys, values = cache.gather(0, slots, torch.float64)
     q = torch.randn(len(lengths), heads, dim, generator=gen)
-    tables = block_tables(scattered(lengths, bs, num_blocks, 7), lengths, bs)
+    tables = block_tables(scattered(lengths, bs, num_blocks, 7, spare=False), lengths, bs)
     lens = torch.tensor(lengths, dtype=torch.int32)
     for part, window, softcap in ((0, None, None), (64, None, None), (64, 100, None), (0, None, 2.0)):
         want = float64_attention(q, keys, values, tables, lens, bs, 0.125, window, softcap)
@@ -189,7 +179,7 @@ def test_a_prompt_row_is_the_same_bits_in_a_tile_and_alone(lib, isa, kv):
     cache = PagedKVCache(1, num_blocks * bs, kv_heads, dim, kv, CPU)
     slots = torch.arange(num_blocks * bs)
     cache.store(0, *torch.randn(2, num_blocks * bs, kv_heads, dim, generator=gen), slots)
-    table = scattered([context], bs, num_blocks, 11)[0]
+    table = scattered([context], bs, num_blocks, 11, spare=False)[0]
     lengths = list(range(context - 20, context + 1))  # 21 consecutive positions: tiles of 8, 8 and 5
     tables = block_tables([table] * len(lengths), lengths, bs)
     lens = torch.tensor(lengths, dtype=torch.int32)
@@ -215,11 +205,20 @@ def test_int8_without_its_scales_is_refused_not_read(lib):
     assert kernels.paged_decode_attention(*args, kv_dtype=INT8, scales=cache.scales(0)) is not None
 
 
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+
 def test_pool_bytes_are_the_dtypes_bytes():
-    """Elements at their width, int8's float32 scale per (token, head) included."""
-    for kv in DTYPES.values():
-        cache = PagedKVCache(3, 64, 2, 64, kv, CPU, huge_pages=False)
-        assert cache.nbytes == 2 * 3 * 64 * 2 * kv.row_bytes(64)
+    """Elements at their width, int8's float32 scale per (token, head) included: the tensors the pool
+    allocated, the pool's own count and the dtype's accounting agree with the widths written here."""
+    layers, slots, heads, dim = 3, 64, 2, 64
+    assert set(ELEMENT_BYTES) == set(DTYPES)
+    for name, kv in DTYPES.items():
+        cache = PagedKVCache(layers, slots, heads, dim, kv, CPU, huge_pages=False)
+        expected = 2 * layers * slots * heads * (dim * ELEMENT_BYTES[name] + (4 if name == "int8" else 0))
+        allocated = sum(t.nbytes for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None)
+        assert allocated == cache.nbytes == expected, name
+        assert 2 * layers * heads * kv.row_bytes(dim) * slots == expected, name
     assert INT8.bytes_per_element(64) == 1.0625  # llama.cpp's q8_0: 34 bytes per 32
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kv_blocks import scattered
 from brisk.errors import BriskError
 from brisk import kernels
 from brisk.kv_dtype import DTYPES, FLOAT32
@@ -28,20 +29,6 @@ def lib():
     assert lib is not None, "make builds brisk/kernels/_kernels.so; the kernel tests need it"
     yield lib
     lib.brisk_paged_attention_force_isa(-1)
-
-
-def scattered(lengths: list[int], bs: int, num_blocks: int, seed: int) -> list[list[int]]:
-    """Block tables as the KV manager hands them out: disjoint, shuffled, never block 0."""
-    rng = random.Random(seed)
-    pool = list(range(1, num_blocks))
-    rng.shuffle(pool)
-    tables, used = [], 0
-    for n in lengths:
-        blocks = -(-n // bs) + rng.randint(0, 1)  # a table may hold a block more than it uses
-        tables.append(pool[used:used + blocks])
-        used += blocks
-    assert used < num_blocks
-    return tables
 
 
 def reference(q, k, v, tables, lengths, bs, scale):
