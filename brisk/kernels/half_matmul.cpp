@@ -27,6 +27,7 @@
 
 #include "brisk_abi.h"
 #include "kv_types.h"
+#include "simd_widen.h"
 
 namespace {
 
@@ -57,9 +58,8 @@ void rows_scalar(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_
 
 template <int KIND>
 AVX2_INL __m256 load8(const uint16_t* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (KIND == kvt::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    else return _mm256_cvtph_ps(h);
+    if constexpr (KIND == kvt::BF16) return widen::bf16x8(widen::load128(p));
+    else return widen::f16x8(widen::load128(p));
 }
 
 AVX2_INL float hsum8(__m256 v) {
@@ -102,13 +102,14 @@ AVX2_FN void tile_avx2(const float* x, const uint16_t* w, int64_t K, int64_t n0,
 }
 
 // ---------------------------------------------------------------- AVX-512
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-#define AVX512_INL __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline
+// (avx512dq for the shared widening helpers: every CPU brisk_kernels_isa() calls 3, AVX-512 VNNI, has it)
+#define AVX512_FN __attribute__((target(BRISK_WIDEN_AVX512_TARGET)))
+#define AVX512_INL __attribute__((target(BRISK_WIDEN_AVX512_TARGET), always_inline)) inline
 
 template <int KIND>
 AVX512_INL __m512 widen16(__m256i h) {
-    if constexpr (KIND == kvt::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    else return _mm512_cvtph_ps(h);
+    if constexpr (KIND == kvt::BF16) return widen::bf16x16(h);
+    else return widen::f16x16(h);
 }
 
 template <int KIND, int NWT, int MTT>

@@ -38,6 +38,7 @@
 #include "simd_avx2.h"
 #include "brisk_abi.h"
 #include "kv_types.h"
+#include "simd_widen.h"
 
 namespace {
 
@@ -208,12 +209,7 @@ struct NextRunPrefetch {
 #define AVX2H __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 #define AVX2H_FN __attribute__((target("avx2,fma,f16c")))
 
-AVX2H __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2H __m256 load8(const bf16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-AVX2H __m256 load8(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+using widen::load8;  // float, bf16, f16 (simd_widen.h); the 8-bit types below
 AVX2H __m128i bytes8(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 AVX2H __m256 load8(const e5m2_t* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes8(p)), 8)); }
 AVX2H __m256 load8(const e4m3_t* p) {
@@ -358,15 +354,10 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
 // 16 lanes fold to 8 before the shared transposing reduction, and the V accumulation keeps two
 // sets of accumulators (even and odd tokens) so that head_dim 64 still has 8 independent FMA chains.
 
-#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+#define AVX512_TARGET BRISK_WIDEN_AVX512_TARGET
 #define AVX512 __attribute__((target(AVX512_TARGET), always_inline)) inline
 
-AVX512 __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-AVX512 __m512 load16(const bf16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-AVX512 __m512 load16(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+using widen::load16;  // float, bf16, f16 (simd_widen.h); the 8-bit types below
 AVX512 __m128i bytes16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 AVX512 __m512 load16(const e5m2_t* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes16(p)), 8)); }
 AVX512 __m512 load16(const e4m3_t* p) {
