@@ -9,8 +9,10 @@ brisk serves by default are held to this float model in tests/test_quant.py.
 import pytest
 import torch
 
-from brisk.generate import generate_ids
+from brisk.engine.sampling_params import SamplingParams
 from brisk.models.simple_cache import SingleSequenceCache
+
+from engines import make_engine
 
 pytestmark = pytest.mark.slow  # the HF transformers reference, token for token: `pytest -m 'not slow'` skips it locally
 
@@ -69,18 +71,39 @@ def test_last_position_logits_match_hf(demo_fp32, hf_reference, prompt_ids):
     assert worst <= 1e-3
 
 
+def _hf_eos_ids(hf_model) -> set[int]:
+    eos = hf_model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
+
+
 def test_greedy_generations_match_hf_token_for_token(demo_fp32, hf_reference, prompt_ids):
-    demo = demo_fp32
-    """Up to 64 tokens, stopping at EOS on both sides (HF's generate always stops there)."""
+    """Up to 64 tokens, stopping at EOS on both sides, as HF's greedy `generate` would produce them.
+    Ours come from the paged engine (the server's path; float32 KV, all 20 prompts in one batch:
+    greedy output does not depend on the batch, tests/test_engine_batching.py, which also holds the
+    simple `generate_ids` path to the engine). HF checks each sequence in one forward pass: greedy
+    decoding is HF's argmax at every position of prompt + generation, so each of our tokens must be
+    HF's argmax after the tokens before it, none but the last may be one of HF's EOS tokens, and a
+    sequence shorter than 64 must end in one. That is exactly the condition for
+    `hf_model.generate(do_sample=False)` to return our tokens, at one forward per prompt instead of 64."""
     hf_model, _ = hf_reference
+    hf_eos = _hf_eos_ids(hf_model)
+    engine = make_engine(demo_fp32, kv_cache_dtype="float32")
+    rids = [engine.add_request(ids, SamplingParams(max_tokens=64, temperature=0)) for ids in prompt_ids]
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
     full_length = 0
-    for prompt, ids in zip(PROMPTS, prompt_ids):
-        ours = list(generate_ids(demo, ids, max_tokens=64))
+    for prompt, ids, rid in zip(PROMPTS, prompt_ids, rids):
+        ours = finished[rid]
         with torch.inference_mode():
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=64, do_sample=False,
-                                    pad_token_id=demo.tokenizer.eos_token_ids[0])
-        theirs = out[0, len(ids):].tolist()
-        assert ours == theirs, f"generation differs for {prompt!r}"
+            logits = hf_model(torch.tensor([ids + ours[:-1]])).logits[0, len(ids) - 1:]
+        theirs = logits.argmax(-1).tolist()
+        assert ours == theirs, f"generation differs for {prompt!r}: first at token {_first_difference(ours, theirs)}"
+        assert not hf_eos & set(ours[:-1]), f"HF would have stopped earlier for {prompt!r}"
+        assert len(ours) == 64 or ours[-1] in hf_eos, f"we stopped at a token HF does not stop at for {prompt!r}"
         full_length += len(ours) == 64
     assert full_length >= len(PROMPTS) // 2  # most comparisons run the whole 64 tokens
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

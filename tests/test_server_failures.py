@@ -285,10 +285,10 @@ def test_no_500_was_ever_sent(server):
     assert statuses and not any(s.startswith("5") for s in statuses)
 
 
-def test_small_kv_pool_engine_is_usable_through_server(demo_fp32):
+def test_small_kv_pool_engine_is_usable_through_server(demo):
     """Preemption under a tiny pool is invisible to clients: every stream completes (with the
-    same greedy text: float32 here, see the batch-invariance note in test_engine_batching)."""
-    engine = LLMEngine(demo_fp32, CacheConfig(block_size=16, num_gpu_blocks_override=12),
+    same greedy text: batch-invariant under preemption, see test_engine_batching)."""
+    engine = LLMEngine(demo, CacheConfig(block_size=16, num_gpu_blocks_override=12),
                        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=160))
     with serve_engine(engine) as live:
         async def many():

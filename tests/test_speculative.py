@@ -260,12 +260,12 @@ TOPICS = ["the moon", "tea", "rivers", "bicycles", "music", "winter", "bread", "
 
 
 @pytest.fixture(scope="module")
-def spec_prompts(demo_fp32):
+def spec_prompts(demo):
     """64 prompts: 32 input-grounded (n-gram drafts fire and get accepted) and 32 ordinary."""
     texts = [e + t for e in EDITS for t in TEXTS]
     texts += [f"Tell me one fact about {t}." for t in TOPICS] + [f"Write a line about {t}." for t in TOPICS]
     texts += [f"What is {t} like?" for t in TOPICS] + [f"Name two things related to {t}." for t in TOPICS]
-    return [demo_fp32.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    return [demo.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
 def engine_for(loaded, spec=None, num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=512, kv="auto"):
@@ -291,13 +291,15 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference(demo_fp32, spec_prompts):
-    """Greedy without speculation (float32: batch-invariant, tests/test_engine_batching.py)."""
-    return [o.token_ids for o in run(engine_for(demo_fp32), spec_prompts, GREEDY)]
+def reference(demo, spec_prompts):
+    """Greedy without speculation, on the demo's int4 weights with default flags (what users run;
+    batch-invariant, tests/test_engine_batching.py): a speculative step verifies k + 1 rows per
+    request where plain decoding computes one, and each row must come out the same bits."""
+    return [o.token_ids for o in run(engine_for(demo), spec_prompts, GREEDY)]
 
 
-def test_greedy_with_ngram_speculation_equals_plain_decoding_at_batch_1(demo_fp32, spec_prompts, reference):
-    engine = engine_for(demo_fp32, NGRAM)
+def test_greedy_with_ngram_speculation_equals_plain_decoding_at_batch_1(demo, spec_prompts, reference):
+    engine = engine_for(demo, NGRAM)
     assert [o.token_ids for o in run(engine, spec_prompts, GREEDY, wave=1)] == reference
     stats = engine.stats()
     # drafts were made, and both accepted and rejected ones were exercised
@@ -307,14 +309,14 @@ def test_greedy_with_ngram_speculation_equals_plain_decoding_at_batch_1(demo_fp3
     assert stats.kv_blocks_used == 0
 
 
-def test_greedy_with_ngram_speculation_equals_plain_decoding_at_batch_16(demo_fp32, spec_prompts, reference):
-    engine = engine_for(demo_fp32, SpeculativeConfig(disable_by_batch_size=16))
+def test_greedy_with_ngram_speculation_equals_plain_decoding_at_batch_16(demo, spec_prompts, reference):
+    engine = engine_for(demo, SpeculativeConfig(disable_by_batch_size=16))
     assert [o.token_ids for o in run(engine, spec_prompts, GREEDY, wave=16)] == reference
     assert engine.stats().spec_accepted_tokens > 0
 
 
-def test_greedy_with_ngram_speculation_under_preemption(demo_fp32, spec_prompts, reference):
-    engine = engine_for(demo_fp32, SpeculativeConfig(disable_by_batch_size=64), num_blocks=64)
+def test_greedy_with_ngram_speculation_under_preemption(demo, spec_prompts, reference):
+    engine = engine_for(demo, SpeculativeConfig(disable_by_batch_size=64), num_blocks=64)
     assert [o.token_ids for o in run(engine, spec_prompts, GREEDY)] == reference
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0
@@ -342,19 +344,19 @@ def test_logprobs_with_speculation_are_the_targets(demo_fp32, spec_prompts):
         assert b.metrics["spec_drafted_tokens"] >= b.metrics["spec_accepted_tokens"]
 
 
-def test_requests_that_cannot_speculate_decode_one_token_per_step(demo_fp32, spec_prompts):
-    engine = engine_for(demo_fp32, NGRAM)
+def test_requests_that_cannot_speculate_decode_one_token_per_step(demo, spec_prompts):
+    engine = engine_for(demo, NGRAM)
     for params in (SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, speculative=False),
                    SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, repetition_penalty=1.1)):
         run(engine, spec_prompts[:2], params, wave=1)
     assert engine.stats().spec_draft_tokens == 0
 
 
-def test_no_drafting_above_the_batch_size_rule(demo_fp32, spec_prompts):
-    engine = engine_for(demo_fp32, SpeculativeConfig(disable_by_batch_size=2))
+def test_no_drafting_above_the_batch_size_rule(demo, spec_prompts):
+    engine = engine_for(demo, SpeculativeConfig(disable_by_batch_size=2))
     run(engine, spec_prompts[:8], GREEDY)  # 8 running at once: nobody drafts until only 2 are left
     drafted_together = engine.stats().spec_draft_tokens
-    alone = engine_for(demo_fp32, SpeculativeConfig(disable_by_batch_size=2))
+    alone = engine_for(demo, SpeculativeConfig(disable_by_batch_size=2))
     run(alone, spec_prompts[:8], GREEDY, wave=1)
     assert drafted_together < alone.stats().spec_draft_tokens / 2
 
@@ -431,10 +433,10 @@ def draft_path(tmp_path_factory, demo_gguf_path):
 
 
 @pytest.fixture(scope="module")
-def draft_fp32(draft_path, demo_fp32):
+def draft(draft_path, demo):
     from brisk.loading.loader import load
 
-    return load(str(draft_path), quantization="none", max_model_len=demo_fp32.max_model_len, warmup=False)
+    return load(str(draft_path), max_model_len=demo.max_model_len, warmup=False)
 
 
 def draft_config(draft_path, **kw):
@@ -455,38 +457,38 @@ def _partial_acceptance(engine):
     return stats
 
 
-def test_greedy_with_a_draft_model_equals_plain_decoding_at_batch_1(demo_fp32, draft_fp32, draft_path,
+def test_greedy_with_a_draft_model_equals_plain_decoding_at_batch_1(demo, draft, draft_path,
                                                                      spec_prompts, reference):
     # (a draft step costs k draft forwards and one target forward: 16 prompts one at a time here;
     # all 64 at batch 16 and under preemption below)
-    engine = draft_engine(demo_fp32, draft_fp32, draft_path)
+    engine = draft_engine(demo, draft, draft_path)
     assert [o.token_ids for o in run(engine, spec_prompts[::4], GREEDY, wave=1)] == reference[::4]
     _partial_acceptance(engine)
 
 
-def test_greedy_with_a_draft_model_equals_plain_decoding_at_batch_16(demo_fp32, draft_fp32, draft_path,
+def test_greedy_with_a_draft_model_equals_plain_decoding_at_batch_16(demo, draft, draft_path,
                                                                       spec_prompts, reference):
-    engine = draft_engine(demo_fp32, draft_fp32, draft_path, disable_by_batch_size=16)
+    engine = draft_engine(demo, draft, draft_path, disable_by_batch_size=16)
     assert [o.token_ids for o in run(engine, spec_prompts, GREEDY, wave=16)] == reference
     _partial_acceptance(engine)
 
 
-def test_greedy_with_a_draft_model_under_preemption(demo_fp32, draft_fp32, draft_path, spec_prompts, reference):
-    engine = draft_engine(demo_fp32, draft_fp32, draft_path, disable_by_batch_size=64, num_blocks=64)
+def test_greedy_with_a_draft_model_under_preemption(demo, draft, draft_path, spec_prompts, reference):
+    engine = draft_engine(demo, draft, draft_path, disable_by_batch_size=64, num_blocks=64)
     assert [o.token_ids for o in run(engine, spec_prompts, GREEDY)] == reference
     stats = _partial_acceptance(engine)
     assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
 
 
-def test_sampled_draft_model_requests_run_and_report_their_counts(demo_fp32, draft_fp32, draft_path, spec_prompts):
-    engine = draft_engine(demo_fp32, draft_fp32, draft_path)
+def test_sampled_draft_model_requests_run_and_report_their_counts(demo, draft, draft_path, spec_prompts):
+    engine = draft_engine(demo, draft, draft_path)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=1)
     outs = run(engine, spec_prompts[:4], params, wave=1)
     assert all(len(o.token_ids) == NUM_TOKENS and len(o.logprobs) == NUM_TOKENS for o in outs)
     assert sum(o.metrics["spec_drafted_tokens"] for o in outs) == engine.stats().spec_draft_tokens > 0
 
 
-def test_a_draft_with_another_vocabulary_or_not_smaller_is_refused(demo_fp32, draft_fp32, draft_path, tmp_path):
+def test_a_draft_with_another_vocabulary_or_not_smaller_is_refused(demo, draft, draft_path, tmp_path):
     from brisk.loading.gguf_random import Shape, write_random_gguf
     from brisk.loading.loader import load
 
@@ -494,9 +496,9 @@ def test_a_draft_with_another_vocabulary_or_not_smaller_is_refused(demo_fp32, dr
                               "F32", None, small_vocab=128)
     small = load(str(other), quantization="none", max_model_len=1024, warmup=False)
     with pytest.raises(SpeculativeConfigError, match="vocabulary differs from the target's"):
-        draft_engine(demo_fp32, small, other)
+        draft_engine(demo, small, other)
     with pytest.raises(SpeculativeConfigError, match="is not smaller than the target"):
-        draft_engine(draft_fp32, demo_fp32, "demo")  # the 30-layer model drafting for the 20-layer one
+        draft_engine(draft, demo, "demo")  # the 30-layer model drafting for the 20-layer one
 
 
 def test_offline_api_takes_vllms_speculative_config(demo):

@@ -28,10 +28,10 @@ FREE = [[{"role": "user", "content": q}] for q in ("Name three rivers in Europe.
 
 
 @pytest.fixture(scope="module")
-def server(demo_fp32):
-    # float32 (`--quantization none`): the model whose greedy output is batch-invariant
+def server(demo):
+    # the demo's int4 weights with default flags: greedy output is batch-invariant
     # (tests/test_engine_batching.py), so "unchanged by the grammars in its batch" is exact
-    with serve_engine(make_engine(demo_fp32)) as live:
+    with serve_engine(make_engine(demo)) as live:
         yield live
 
 
