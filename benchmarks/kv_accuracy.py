@@ -48,7 +48,7 @@ def prompt_logits(loaded, ids: list[int], kv, chunk: int, block_size: int = 8) -
     num_blocks = -(-len(ids) // block_size) + 1
     cache = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, kv,
                          loaded.device, huge_pages=False)
-    backend = attention_backend(torch.device(loaded.device), kv)
+    backend = attention_backend(torch.device(loaded.device))
     table = list(range(1, num_blocks))
     out = []
     for start in range(0, len(ids), chunk):

@@ -4,8 +4,6 @@ are downloaded into brisk's cache and run, an interrupted download resumes, HF_H
 the cache, and a model that cannot arrive is one clear error, exit 2, before torch is imported."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -15,7 +15,7 @@ from kv_blocks import scattered
 from brisk import kernels
 from brisk.engine.attention import PagedKVCache, block_tables
 from brisk.errors import BriskError
-from brisk.kernels import fused, kv_codec
+from brisk.kernels import kv_codec
 from brisk.kv_dtype import BFLOAT16, DTYPES, FLOAT16, FLOAT32, FP8_E4M3, FP8_E5M2, INT8, resolve
 
 CPU = torch.device("cpu")
@@ -317,7 +317,7 @@ def test_each_dtype_stays_within_its_measured_accuracy(demo_fp32):
     def logits(kv) -> torch.Tensor:
         blocks = len(ids) // 8 + 2
         cache = PagedKVCache(cfg.num_layers, blocks * 8, cfg.num_kv_heads, cfg.head_dim, kv, CPU, huge_pages=False)
-        backend, out = attention_backend(CPU, kv), []
+        backend, out = attention_backend(CPU), []
         for start in range(0, len(ids), 256):
             batch = build_batch([SeqSlice(ids[start:start + 256], start, list(range(1, blocks)), True)], 8, CPU)
             hidden = demo_fp32.model(batch.input_ids, batch.positions, backend(cache, batch.meta, cfg.attn_scale))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.errors import BriskError
+from brisk.kernels.paths import onednn_available
 from brisk.models import linear
 from brisk.models.linear import Linear
 
@@ -62,7 +63,7 @@ def test_non_contiguous_input_and_other_dtypes():
 def test_bad_backend_choice_is_named(monkeypatch):
     monkeypatch.setenv("BRISK_MATMUL", "numpy")
     with pytest.raises(BriskError, match="BRISK_MATMUL=.numpy."):
-        linear._onednn_enabled()
+        onednn_available()
 
 
 @pytest.mark.skipif(torch.float32 not in linear._PACKABLE or torch.bfloat16 not in linear._PACKABLE,

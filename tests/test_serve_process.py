@@ -81,6 +81,9 @@ def test_socket_answers_before_ready_then_sigterm_drains(serve_process):
     assert error["code"] == "shutting_down" and "6 s" in error["message"]
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
+    log = proc.stdout.read()
+    paths = [line for line in log.splitlines() if "compute paths on cpu:" in line]
+    assert len(paths) == 1, log[-3000:]  # the one place that picks each path says it once (brisk/kernels/paths.py)
 
 
 def test_bad_model_fails_fast_with_one_line(tmp_path):

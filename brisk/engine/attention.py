@@ -6,20 +6,18 @@ a CUDA paged/flash kernel plugs in by implementing the same `__call__`."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from brisk import kernels, switches
+from brisk import kernels
 from brisk.kernels import fused
 from brisk.engine import hugepages
 from brisk.kernels import kv_codec
+from brisk.kernels.paths import compute_paths
 from brisk.kv_dtype import KVDtype
 from brisk.models.layers import attend
-
-log = logging.getLogger("brisk.attention")
 
 
 @dataclass
@@ -226,12 +224,9 @@ class KernelPagedAttention(TorchPagedAttention):
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def attention_backend(device: torch.device, kv_dtype: KVDtype) -> type[TorchPagedAttention]:
-    """The compiled kernel on CPU (every KV dtype) when it is built, else the torch path.
-    BRISK_ATTENTION=torch forces the torch path (to compare, or to rule the kernel out)."""
-    choice = switches.choice("BRISK_ATTENTION")
-    if choice == "auto" and device.type == "cpu" and kernels.library() is not None:
-        log.info("paged attention: compiled CPU kernel (%s, %s KV)", kernels.attention_isa(), kv_dtype.name)
+def attention_backend(device: torch.device) -> type[TorchPagedAttention]:
+    """The compiled kernel on CPU (it reads every KV dtype) when it is built, else the torch path; the choice
+    is brisk.kernels.paths' (BRISK_ATTENTION=torch forces the torch path, to compare or rule it out)."""
+    if compute_paths(device).attention == "kernel":
         return KernelPagedAttention
-    log.info("paged attention: torch (gather + SDPA)")
     return TorchPagedAttention

@@ -19,8 +19,9 @@ import logging
 
 import torch
 
-from brisk import kernels, switches
+from brisk import kernels
 from brisk.kernels import abi
+from brisk.kernels.paths import compute_paths
 from brisk.engine.attention import AttentionMetadata, PagedKVCache
 from brisk.models.layers import RopeTables
 from brisk.models.decoder import DecoderForCausalLM
@@ -68,8 +69,8 @@ class DecodeStack:
         lib = kernels.library()
         reason = None
         cfg = model.config
-        if switches.choice("BRISK_DECODE_STACK") == "off":
-            reason = "BRISK_DECODE_STACK=off"
+        if not compute_paths(kv.k.device).decode_stack:
+            reason = "BRISK_DECODE_STACK=off, or attention off the compiled kernel"
         elif lib is None or not hasattr(lib, "brisk_decode_stack"):
             reason = "no compiled kernels"
         elif cfg.head_dim > 256 or cfg.num_heads > 128 or cfg.num_heads % cfg.num_kv_heads:

@@ -44,7 +44,7 @@ class ModelRunner:
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
                                kv_dtype, loaded.device)
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
-        self.attention = attention_backend(torch.device(loaded.device), kv_dtype)
+        self.attention = attention_backend(torch.device(loaded.device))
         self.sampler = Sampler(loaded.device, seed, loaded.tokenizer.eos_token_ids)
         self.decode_stack = (DecodeStack.build(self.model, self.kv, self.scale, block_size)
                              if self.attention is KernelPagedAttention else None)

@@ -15,6 +15,7 @@ import torch
 from brisk import kernels
 from brisk.config import QUANTIZATION_CHOICES, ModelConfig
 from brisk.errors import BriskError, ModelLoadError
+from brisk.kernels.paths import compute_paths
 from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
 from brisk.cache_dir import cache_dir
@@ -82,7 +83,7 @@ def _auto_weights(source: ModelSource, dtype: str | None, device: torch.device) 
         found |= {info["dtype"] for name, info in header.items()
                   if name.endswith("_proj.weight") or name.rpartition(".")[2] in quant.QUANT_SUFFIXES}
     method = {frozenset({"BF16"}): "bf16", frozenset({"F16"}): "f16"}.get(frozenset(found), "auto")
-    if method != "auto" and (kernels.library() is None or kernels.library().brisk_kernels_isa() < 2):
+    if method != "auto" and compute_paths(device).kernel_level < 2:
         return "auto"  # the portable loop is slower than float32 oneDNN: keep the old behaviour
     return method
 

@@ -24,14 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk import switches
+from brisk.kernels.paths import onednn_available
 
 PACK_ROWS_HINT = 64  # oneDNN picks its weight layout for this batch size; any hint >= 16 measured the same
-
-
-def _onednn_enabled() -> bool:
-    return switches.choice("BRISK_MATMUL") != "torch" and torch.backends.mkldnn.is_available() and \
-        hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def _packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -40,7 +35,7 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,)
 
 
-ONEDNN_ENABLED = _onednn_enabled()
+ONEDNN_ENABLED = onednn_available()  # the compute paths' choice (brisk/kernels/paths.py)
 _PACKABLE = _packable_dtypes() if ONEDNN_ENABLED else ()
 
 

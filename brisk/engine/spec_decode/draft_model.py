@@ -71,7 +71,7 @@ class DraftModelProposer:
         self.kv = PagedKVCache(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
                                kv_dtype, draft.device)
         self.scale = cfg.head_dim ** -0.5
-        self.attention = attention_backend(torch.device(draft.device), kv_dtype)
+        self.attention = attention_backend(torch.device(draft.device))
 
     def propose(self, running: list[Request]) -> None:
         """Reserve each drafting request's k positions (placeholders the scheduler counts);

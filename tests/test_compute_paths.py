@@ -1,0 +1,59 @@
+"""brisk.kernels.paths: the one place that picks each compute path, read by the engine's parts."""
+
+import logging
+
+import pytest
+import torch
+
+from brisk.engine.attention import KernelPagedAttention, TorchPagedAttention, attention_backend
+from brisk.errors import BriskError
+from brisk.kernels import paths
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(paths, "_logged", None)
+    for name in ("BRISK_ATTENTION", "BRISK_DECODE_STACK", "BRISK_MATMUL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_default_cpu_paths_use_the_compiled_kernels():
+    got = paths.compute_paths("cpu")
+    if not got.compiled:
+        pytest.skip("no compiled kernels in this checkout (`make` builds them)")
+    assert got.attention == "kernel" and got.decode_stack and got.kernel_level >= 1
+    assert got.attention_isa in ("avx512", "avx2", "portable")
+    assert attention_backend(torch.device("cpu")) is KernelPagedAttention
+
+
+def test_switches_rule_paths_out_and_the_engine_follows(monkeypatch):
+    monkeypatch.setenv("BRISK_ATTENTION", "torch")
+    got = paths.compute_paths("cpu")
+    assert got.attention == "torch" and not got.decode_stack  # the stack runs on the attention kernel
+    assert attention_backend(torch.device("cpu")) is TorchPagedAttention
+    monkeypatch.setenv("BRISK_ATTENTION", "auto")
+    monkeypatch.setenv("BRISK_DECODE_STACK", "off")
+    monkeypatch.setenv("BRISK_MATMUL", "torch")
+    got = paths.compute_paths("cpu")
+    assert not got.decode_stack and got.float_matmul == "torch"
+
+
+def test_other_devices_take_the_torch_paths():
+    got = paths.compute_paths("meta")
+    assert got.attention == "torch" and got.float_matmul == "torch" and not got.decode_stack
+
+
+def test_a_bad_switch_is_one_error_naming_it(monkeypatch):
+    monkeypatch.setenv("BRISK_DECODE_STACK", "maybe")
+    with pytest.raises(BriskError, match="BRISK_DECODE_STACK='maybe'"):
+        paths.compute_paths("cpu")
+
+
+def test_the_choice_is_logged_once_and_again_when_it_changes(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="brisk.kernels")
+    for _ in range(3):
+        paths.compute_paths("cpu")
+    monkeypatch.setenv("BRISK_MATMUL", "torch")
+    paths.compute_paths("cpu")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compute paths")]
+    assert len(lines) == 2 and "float matmuls F.linear" in lines[1] and "F.linear" not in lines[0]
