@@ -12,7 +12,7 @@ ignore_eos) as benchmarks/peers/run_peers.py. Prints the machine's read bandwidt
 Type BF16: llama-server serves the BF16 GGUF; brisk serves the same weights as a Hugging Face
 bfloat16 safetensors directory (`bf16_checkpoint`), the form most checkpoints come in: `brisk`
 keeps them bfloat16 (`--quantization auto`), `brisk-f32` casts them to float32 (`--dtype float32`,
-brisk's only CPU behaviour before).
+brisk's only CPU behaviour before), and `brisk-gguf` serves the BF16 GGUF itself (kept bfloat16 too).
 
 llama-server is the native build with `--parallel` slots and continuous batching, from the
 llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
@@ -21,7 +21,7 @@ llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
         -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2
 
     .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
-        [--work DIR] [--types Q4_0,Q8_0,BF16,demo] [--systems brisk,brisk-f32,llama-server] [--concurrency 1,16,64]
+        [--work DIR] [--types Q4_0,Q8_0,BF16,demo] [--systems brisk,brisk-gguf,brisk-f32,llama-server] [--concurrency 1,16,64]
         [--long-prompt 1000]
 """
 
@@ -94,8 +94,8 @@ def bf16_checkpoint(gguf: Path, work: Path) -> Path:
 
 def command(system: str, gguf: Path, port: int, args) -> list[str]:
     levels = [int(c) for c in args.concurrency.split(",")]
-    if system.startswith("brisk"):  # brisk, or brisk-f32 (--dtype float32: a float checkpoint cast to float32)
-        source = bf16_checkpoint(gguf, args.work) if gguf.stem.endswith("-BF16") else gguf
+    if system.startswith("brisk"):  # brisk, brisk-gguf, or brisk-f32 (--dtype float32: a float checkpoint cast)
+        source = bf16_checkpoint(gguf, args.work) if gguf.stem.endswith("-BF16") and system != "brisk-gguf" else gguf
         return [sys.executable, "-m", "brisk", "serve", str(source), "--port", str(port), "--served-model-name",
                 MODEL_ID, "--max-model-len", "2048", "--max-num-seqs", str(max(levels))] + \
             (["--dtype", "float32"] if system == "brisk-f32" else [])

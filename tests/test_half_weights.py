@@ -153,3 +153,41 @@ def test_a_gguf_refuses_16_bit_storage_in_one_line(demo_gguf_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("brisk: error:")
+
+
+@pytest.fixture(scope="module")
+def half_ggufs(tmp_path_factory):
+    """Llama GGUFs whose matrices are all BF16 / all F16 (llama.cpp's `--outtype bf16|f16`), norms F32."""
+    from brisk.loading.gguf_random import Shape, write_random_gguf
+
+    root = tmp_path_factory.mktemp("half-gguf")
+    shape = Shape(hidden=64, layers=2, ffn=160, heads=4, kv_heads=2)
+    return {half: write_random_gguf(root / f"tiny-{half}.gguf", shape, {"bf16": "BF16", "f16": "F16"}[half], None,
+                                    seed=3) for half in sorted(HALVES)}
+
+
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_a_16_bit_gguf_stays_16_bit_bit_for_bit(half_ggufs, half, brisk_cache):
+    """auto converts its matrices as stored (the gguf package's dequantizer gives the same values),
+    keeps them 16-bit at load, and computes what the float32 model of the same values computes."""
+    import gguf
+    from safetensors.torch import load_file
+
+    path = half_ggufs[half]
+    kept = load(str(path), warmup=False)
+    formats = kept.report.weight_formats
+    assert formats["qkv_proj"] == formats["down_proj"] == formats["lm_head"] == formats["embed_tokens"] == half
+    stored = load_file(str(kept.model_dir / "model.safetensors"))
+    reader = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    for gguf_name, ours in (("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight"),
+                            ("token_embd.weight", "model.embed_tokens.weight")):
+        t = by_name[gguf_name]
+        assert stored[ours].dtype == HALVES[half]
+        reference = gguf.quants.dequantize(t.data, t.tensor_type).reshape(stored[ours].shape)
+        assert torch.equal(stored[ours].float(), torch.from_numpy(reference))
+    assert kept.report.weight_bytes == memory_plan.gguf_weight_bytes(path, half)[0]  # predicted before converting
+    widened = load(str(path), quantization="none", warmup=False)
+    assert widened.report.weight_formats == {}
+    torch.testing.assert_close(_brisk_logits(kept), _brisk_logits(widened), rtol=1e-4, atol=1e-4)
+    assert load(str(path), dtype="float32", warmup=False).report.weight_formats == {}  # --dtype overrides auto

@@ -12,6 +12,9 @@ maps onto int4 with a float16 scale and offset per 32 (exact up to rounding each
 `d * scale` to float16), and Q5_0/Q5_1/Q5_K/Q6_K, whose 5-6 bit values have no kernel, are
 requantized to int8 blocks from their dequantized values (a half int8 step of extra error).
 `none` dequantizes everything to float32; `int8`/`int4` requantize every weight matrix.
+Float matrices stored as F16 or BF16 (llama.cpp's `--outtype f16|bf16`) stay 16-bit in `auto`,
+bit for bit; the loader then keeps them so on CPU (`_auto_weights`), as for a bf16 safetensors
+checkpoint.
 
 The converted safetensors use brisk's layout: q/k/v and gate/up already fused
 (`qkv_proj`, `gate_up_proj`), so a warm start does no copy at all.
@@ -42,7 +45,8 @@ from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 5  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families
+CONVERT_VERSION = 6  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
+# 6: F16/BF16 matrices kept 16-bit in auto
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -88,6 +92,7 @@ NATIVE_FORMATS = {
     "Q5_K": QuantFormat(8, False), "Q6_K": QuantFormat(8, False),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
+HALF_TYPES = ("F16", "BF16")  # kept as stored in `auto` (2-D tensors; vectors become F32)
 _REQUANTIZED_FORMATS = {"int4": QuantFormat(4, True), "int8": QuantFormat(8, False)}
 
 
@@ -155,10 +160,11 @@ def _with_format(arrays: dict[str, np.ndarray], fmt: QuantFormat) -> dict[str, n
     return arrays
 
 
-def stored_arrays(fmt: QuantFormat | None) -> list[tuple[str, str]]:
-    """(suffix, safetensors dtype) of the tensors a weight is stored as."""
+def stored_arrays(fmt: QuantFormat | None, float_type: str = "F32") -> list[tuple[str, str]]:
+    """(suffix, safetensors dtype) of the tensors a weight is stored as (`float_type`: F32, or F16/BF16
+    for a 16-bit matrix kept as stored)."""
     if fmt is None:
-        return [("weight", "F32")]
+        return [("weight", float_type)]
     arrays = [("qweight", "U8" if fmt.bits == 4 else "I8"), ("scales", "F16")]
     return arrays + ([("mins", "F16")] if fmt.has_mins else [])
 
@@ -181,6 +187,12 @@ def target_format(name: str, qtype: str, shape: tuple[int, ...], quantization: s
         check_quantizable(name, shape, quantization)
         return _REQUANTIZED_FORMATS[quantization]
     return None if qtype in FLOAT_TYPES else NATIVE_FORMATS[qtype]
+
+
+def kept_type(qtype: str, shape: tuple[int, ...], quantization: str) -> str:
+    """The safetensors type a float tensor is converted to: F16/BF16 for a 16-bit matrix, which `auto`
+    keeps as stored, else F32."""
+    return qtype if quantization == "auto" and qtype in HALF_TYPES and len(shape) == 2 else "F32"
 
 
 class _Tensors:
@@ -214,6 +226,15 @@ class _Tensors:
         values = DEQUANTIZERS[self.qtype(name)](self.reader.data(self.by_name[name])).reshape(self.shape(name))
         return self._unpermuted(name, values)
 
+    def kept_type(self, name: str) -> str:
+        return kept_type(self.qtype(name), self.shape(name), self.quantization)
+
+    def load_raw16(self, name: str) -> np.ndarray:
+        """A 16-bit tensor's stored bits (float16, or bfloat16 as uint16), unpermuted like `load`."""
+        raw = np.ascontiguousarray(self.reader.data(self.by_name[name]))
+        values = raw.view(np.float16 if self.qtype(name) == "F16" else np.uint16).reshape(self.shape(name))
+        return self._unpermuted(name, values)
+
     def load_as(self, name: str, fmt: QuantFormat | None) -> dict[str, np.ndarray]:
         """The tensor's arrays in `fmt` (suffix -> array), repacked without float when possible."""
         if fmt is None:
@@ -241,6 +262,8 @@ class _Group:
         # NOTE: fused parts must share one format; mixed ones (e.g. Q4_K q/k with a Q6_K v)
         # are all stored as int8, the widest, so nothing loses precision it had.
         fmt = formats[0] if all(f == formats[0] for f in formats) else QuantFormat(8, False)
+        kept = {tensors.kept_type(p) for p in parts}
+        self.float_type = kept.pop() if fmt is None and len(kept) == 1 else "F32"  # fused parts share one type
         shapes = [tensors.shape(p) for p in parts]
         self.shape = (sum(s[0] for s in shapes), *shapes[0][1:])
         self.fmt = replace(fmt, tiled=True) if tileable(hf_name, fmt, self.shape[0]) else fmt
@@ -249,7 +272,8 @@ class _Group:
     def take(self, suffix: str) -> np.ndarray:
         if self._arrays is None:
             plain = replace(self.fmt, tiled=False) if self.fmt else self.fmt
-            loaded = [self.tensors.load_as(p, plain) for p in self.parts]
+            loaded = [{"weight": self.tensors.load_raw16(p)} if self.float_type != "F32" else
+                      self.tensors.load_as(p, plain) for p in self.parts]
             self._arrays = {k: np.concatenate([a[k] for a in loaded], axis=0) for k in loaded[0]}
             if self.fmt is not None and self.fmt.tiled:
                 self._arrays = {k: v.numpy() for k, v in
@@ -290,7 +314,7 @@ def _plan(tensors: _Tensors, groups: list[tuple[str, list[str]]]
     for hf_name, parts in groups:
         group = _Group(tensors, parts, hf_name)
         base = hf_name.removesuffix(".weight")
-        for suffix, dtype in stored_arrays(group.fmt):
+        for suffix, dtype in stored_arrays(group.fmt, group.float_type):
             name = hf_name if suffix == "weight" else f"{base}.{suffix}"
             shape = group.shape if len(group.shape) == 1 else stored_shape(suffix, *group.shape, group.fmt)
             plan.append((name, dtype, shape, lambda g=group, s=suffix: g.take(s)))
@@ -331,7 +355,7 @@ def _check_all_tensors_used(tensors: _Tensors, groups: list[tuple[str, list[str]
                              "answers, so the model is refused")
 
 
-_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8}
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U8": np.uint8, "I8": np.int8}  # BF16: bits
 
 
 def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:

@@ -18,6 +18,7 @@ from brisk.errors import BriskError, ModelLoadError
 from brisk.kernels.paths import compute_paths
 from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
+from brisk.loading.gguf_header import read_gguf_header
 from brisk.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
 from brisk.models import quant
@@ -69,19 +70,22 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def _auto_weights(source: ModelSource, dtype: str | None, device: torch.device) -> str:
-    """What `--quantization auto` keeps a checkpoint's weights in. A safetensors checkpoint whose
-    linear weights are all bfloat16 (most Hub checkpoints), or all float16, keeps them so on a CPU
-    with brisk's 16-bit kernel (half_matmul.cpp: AVX2 or AVX-512; activations stay float32, so
-    results match the float32 model on the same weights): half the bytes of float32, and a decode
-    step reads half as much. An explicit --dtype, another device, a GGUF or a checkpoint with
-    float32 (or already quantized) weights: "auto", as before."""
-    if source.kind == "gguf" or dtype not in (None, "auto") or device.type != "cpu":
+    """What `--quantization auto` keeps a checkpoint's weights in. A checkpoint whose weight matrices
+    are all bfloat16 (most Hub checkpoints; a GGUF made with `--outtype bf16`), or all float16, keeps
+    them so on a CPU with brisk's 16-bit kernel (half_matmul.cpp: AVX2 or AVX-512; activations stay
+    float32, so results match the float32 model on the same weights): half the bytes of float32,
+    and a decode step reads half as much. An explicit --dtype, another device, or a checkpoint with
+    float32 or quantized weights: "auto", as before (a GGUF keeps its quantized types)."""
+    if dtype not in (None, "auto") or device.type != "cpu":
         return "auto"
-    found = set()
-    for file in safetensors_io.checkpoint_files(source.path):
-        header, _ = safetensors_io.read_header(file)
-        found |= {info["dtype"] for name, info in header.items()
-                  if name.endswith("_proj.weight") or name.rpartition(".")[2] in quant.QUANT_SUFFIXES}
+    if source.kind == "gguf":
+        found = {t.type_name for t in read_gguf_header(source.path).tensors if len(t.shape) == 2}
+    else:
+        found = set()
+        for file in safetensors_io.checkpoint_files(source.path):
+            header, _ = safetensors_io.read_header(file)
+            found |= {info["dtype"] for name, info in header.items()
+                      if name.endswith("_proj.weight") or name.rpartition(".")[2] in quant.QUANT_SUFFIXES}
     method = {frozenset({"BF16"}): "bf16", frozenset({"F16"}): "f16"}.get(frozenset(found), "auto")
     if method != "auto" and compute_paths(device).kernel_level < 2:
         return "auto"  # the portable loop is slower than float32 oneDNN: keep the old behaviour
@@ -261,14 +265,17 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
     report.source, report.path = source.name, str(source.path)
     report.device, report.dtype = str(dev), str(torch_dtype).removeprefix("torch.")
     if quantization in quant.HALF_METHODS and source.kind == "gguf":
-        raise BriskError(f"--quantization {quantization} keeps a safetensors checkpoint's float weights in 16 bits; "
-                         f"{source.path.name} is a GGUF: use --quantization auto (its own types), none, int8 or int4")
+        raise BriskError(f"--quantization {quantization} stores a safetensors checkpoint's float weights in 16 bits; "
+                         f"{source.path.name} is a GGUF: use --quantization auto (its own types, F16/BF16 matrices "
+                         "kept 16-bit), none, int8 or int4")
     if quantization == "auto":
         quantization = _auto_weights(source, dtype, dev)
     model_dir = source.path
+    # a GGUF's 16-bit matrices are converted as stored ("auto") and kept so at load (bf16/f16)
+    conversion = "auto" if quantization in quant.HALF_METHODS else quantization
     if source.kind == "gguf":
         report.format = "gguf"
-        model_dir = gguf_convert.converted_dir(cache_root, source.path, quantization)
+        model_dir = gguf_convert.converted_dir(cache_root, source.path, conversion)
     with report.phase("memory_check"):
         kv = resolve_kv_dtype(kv_cache_dtype, str(torch_dtype).removeprefix("torch."), dev.type)
         _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype, kv)
@@ -277,7 +284,7 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
             report.conversion_cache = "hit"
         else:
             report.conversion_cache = "miss"
-            for name, ms in gguf_convert.convert(source.path, model_dir, quantization).items():
+            for name, ms in gguf_convert.convert(source.path, model_dir, conversion).items():
                 report.add(name, ms)
     else:
         report.format = "safetensors"

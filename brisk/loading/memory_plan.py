@@ -16,20 +16,26 @@ from brisk.loading.gguf_header import read_gguf_header
 
 
 def gguf_weight_bytes(path: Path, quantization: str) -> tuple[int, dict]:
-    """Bytes the converted weights will take, and the GGUF's scalar metadata."""
+    """Bytes the converted weights will take once loaded, and the GGUF's scalar metadata. With
+    `quantization` bf16/f16 (what `auto` picks for an all-16-bit GGUF on CPU) the 16-bit matrices
+    stay 2 bytes; otherwise float tensors load as float32."""
     from brisk.loading import gguf_convert
+    from brisk.models import quant
 
     header = read_gguf_header(path)
+    half = quantization in quant.HALF_METHODS
+    mode = "auto" if half else quantization
     total = 0
     for tensor in header.tensors:
         name, shape = tensor.name, tensor.shape
-        fmt = gguf_convert.target_format(name, check_type(str(path), name, tensor.type_name), shape,
-                                         quantization)
-        for suffix, dtype in gguf_convert.stored_arrays(fmt):
+        qtype = check_type(str(path), name, tensor.type_name)
+        fmt = gguf_convert.target_format(name, qtype, shape, mode)
+        kept = gguf_convert.kept_type(qtype, shape, mode) if half else "F32"
+        for suffix, dtype in gguf_convert.stored_arrays(fmt, kept):
             numel = 1
             for dim in (shape if fmt is None else gguf_convert.stored_shape(suffix, *shape, fmt)):
                 numel *= dim
-            total += numel * {"F32": 4, "F16": 2, "U8": 1, "I8": 1}[dtype]
+            total += numel * {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1}[dtype]
     return total, header.metadata
 
 
