@@ -175,7 +175,10 @@ def test_a_16_bit_gguf_stays_16_bit_bit_for_bit(half_ggufs, half, brisk_cache):
 
     path = half_ggufs[half]
     kept = load(str(path), warmup=False)
+    assert kept.report.conversion_cache == "miss"  # judged by the GGUF's header
     formats = kept.report.weight_formats
+    again = load(str(path), warmup=False)  # judged by the converted checkpoint: the same answer
+    assert again.report.conversion_cache == "hit" and again.report.weight_formats == formats
     assert formats["qkv_proj"] == formats["down_proj"] == formats["lm_head"] == formats["embed_tokens"] == half
     stored = load_file(str(kept.model_dir / "model.safetensors"))
     reader = gguf.GGUFReader(str(path))

@@ -39,7 +39,7 @@ import torch
 from brisk.errors import ModelLoadError
 from brisk.kernels import QK, TILE_ROWS
 from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64, check_type
-from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config  # noqa: F401 (callers import hf_config here)
+from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
 
@@ -193,6 +193,19 @@ def kept_type(qtype: str, shape: tuple[int, ...], quantization: str) -> str:
     """The safetensors type a float tensor is converted to: F16/BF16 for a 16-bit matrix, which `auto`
     keeps as stored, else F32."""
     return qtype if quantization == "auto" and qtype in HALF_TYPES and len(shape) == 2 else "F32"
+
+
+def linear_types(path: Path) -> set[str]:
+    """From the GGUF header alone, what the loader reads from the checkpoint `auto` converts it to:
+    the types of the layers' matrices (the `*_proj.weight` tensors), plus the type of any quantized
+    tensor (its blocks, wherever it is). {"BF16"} or {"F16"} means every linear stays 16-bit."""
+    types = set()
+    for t in read_gguf_header(path).tensors:
+        if t.type_name not in FLOAT_TYPES:
+            types.add(t.type_name)
+        elif t.name.startswith("blk.") and len(t.shape) == 2:
+            types.add(kept_type(t.type_name, t.shape, "auto"))
+    return types
 
 
 class _Tensors:

@@ -18,7 +18,6 @@ from brisk.errors import BriskError, ModelLoadError
 from brisk.kernels.paths import compute_paths
 from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
-from brisk.loading.gguf_header import read_gguf_header
 from brisk.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
 from brisk.models import quant
@@ -69,20 +68,22 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _auto_weights(source: ModelSource, dtype: str | None, device: torch.device) -> str:
-    """What `--quantization auto` keeps a checkpoint's weights in. A checkpoint whose weight matrices
+def _auto_weights(source: ModelSource, model_dir: Path, dtype: str | None, device: torch.device) -> str:
+    """What `--quantization auto` keeps a checkpoint's weights in. A checkpoint whose linear weights
     are all bfloat16 (most Hub checkpoints; a GGUF made with `--outtype bf16`), or all float16, keeps
     them so on a CPU with brisk's 16-bit kernel (half_matmul.cpp: AVX2 or AVX-512; activations stay
     float32, so results match the float32 model on the same weights): half the bytes of float32,
     and a decode step reads half as much. An explicit --dtype, another device, or a checkpoint with
-    float32 or quantized weights: "auto", as before (a GGUF keeps its quantized types)."""
+    float32 or quantized weights: "auto", as before (a GGUF keeps its quantized types).
+    A GGUF is judged by its converted checkpoint (a JSON header: nothing added to a warm start), or
+    before its first conversion by its own header, which predicts the same types."""
     if dtype not in (None, "auto") or device.type != "cpu":
         return "auto"
-    if source.kind == "gguf":
-        found = {t.type_name for t in read_gguf_header(source.path).tensors if len(t.shape) == 2}
+    if source.kind == "gguf" and not (model_dir / "config.json").exists():
+        found = gguf_convert.linear_types(source.path)
     else:
         found = set()
-        for file in safetensors_io.checkpoint_files(source.path):
+        for file in safetensors_io.checkpoint_files(model_dir):
             header, _ = safetensors_io.read_header(file)
             found |= {info["dtype"] for name, info in header.items()
                       if name.endswith("_proj.weight") or name.rpartition(".")[2] in quant.QUANT_SUFFIXES}
@@ -268,14 +269,14 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
         raise BriskError(f"--quantization {quantization} stores a safetensors checkpoint's float weights in 16 bits; "
                          f"{source.path.name} is a GGUF: use --quantization auto (its own types, F16/BF16 matrices "
                          "kept 16-bit), none, int8 or int4")
-    if quantization == "auto":
-        quantization = _auto_weights(source, dtype, dev)
     model_dir = source.path
-    # a GGUF's 16-bit matrices are converted as stored ("auto") and kept so at load (bf16/f16)
-    conversion = "auto" if quantization in quant.HALF_METHODS else quantization
+    # a GGUF's 16-bit matrices are converted as stored (in "auto") and kept so at load (bf16/f16)
+    conversion = quantization
     if source.kind == "gguf":
         report.format = "gguf"
         model_dir = gguf_convert.converted_dir(cache_root, source.path, conversion)
+    if quantization == "auto":
+        quantization = _auto_weights(source, model_dir, dtype, dev)
     with report.phase("memory_check"):
         kv = resolve_kv_dtype(kv_cache_dtype, str(torch_dtype).removeprefix("torch."), dev.type)
         _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype, kv)
