@@ -103,6 +103,9 @@ def test_rows_do_not_depend_on_the_batch(isa, bits, has_mins, n, k):
             assert torch.equal(part[-1], together[r])
 
 
+TILERS = {4: kernels.tile_int4, 8: kernels.tile_int8}
+
+
 @pytest.mark.parametrize("has_mins", [False, True])
 def test_tiling_moves_bytes_not_values(has_mins):
     qweight, scales, mins = random_blocks(4, has_mins, 48, 96)
@@ -122,51 +125,76 @@ def test_tiling_moves_bytes_not_values(has_mins):
 
 
 @pytest.mark.parametrize("has_mins", [False, True])
+def test_int8_tiling_moves_bytes_not_values(has_mins):
+    qweight, scales, mins = random_blocks(8, has_mins, 48, 96)
+    tiled = kernels.tile_int8(qweight, scales, mins)
+    assert tiled[0].shape == (6, 3, 256) and tiled[0].dtype == torch.int8 and tiled[1].shape == (6, 3, 8)
+    back = kernels.untile_int8(*tiled)
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+    assert (back[2] is None) if mins is None else torch.equal(back[2], mins)
+    assert torch.equal(kernels.dequantize(*tiled, 8), kernels.dequantize(qweight, scales, mins, 8))
+    # row 8t+j, weight 32b + 4v + e is byte v*32 + 4j + e of tile t's block b
+    for t, j, b, v, e in ((3, 5, 2, 1, 2), (0, 7, 0, 7, 3), (5, 0, 1, 4, 0)):
+        assert int(tiled[0][t, b, v * 32 + 4 * j + e]) == int(qweight[8 * t + j, 32 * b + 4 * v + e])
+        assert float(tiled[1][t, b, j]) == float(scales[8 * t + j, b])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("has_mins", [False, True])
 @pytest.mark.parametrize("k", [96, 512])
-def test_tiled_kernel_computes_the_row_layouts_weights(isa, has_mins, k):
+def test_tiled_kernel_computes_the_row_layouts_weights(isa, bits, has_mins, k):
     """The tiled kernel against float64 math on the untiled weights (so tiling and kernel agree on
-    what each byte means), at every row count the engine batches."""
-    qweight, scales, mins = random_blocks(4, has_mins, 40, k, seed=3)
-    tiled = kernels.tile_int4(qweight, scales, mins)
+    what each byte means), at every row count the engine batches; 40 rows = 5 tiles (int8's VNNI
+    loop: two pairs and a tile alone)."""
+    qweight, scales, mins = random_blocks(bits, has_mins, 40, k, seed=3)
+    if bits == 8:
+        qweight[0, :32] = -128  # the byte's extremes: -128 (not written by Q8_0, but valid) and 127
+        qweight[1, :32] = 127
+    tiled = TILERS[bits](qweight, scales, mins)
     for rows in (1, 2, 3, 4, 5, 8, 17, 64):
         x = torch.randn(rows, k) * 3
-        out = kernels.quant_matmul(x, *tiled, 4)
-        ref = kernels.reference_matmul(x, qweight, scales, mins, 4)
+        x[0, :32] = torch.where(torch.arange(32) % 2 == 0, 50.0, -50.0)  # activation bytes of +-127
+        out = kernels.quant_matmul(x, *tiled, bits)
+        ref = kernels.reference_matmul(x, qweight, scales, mins, bits)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("has_mins", [False, True])
-def test_tiled_rows_do_not_depend_on_the_batch(isa, has_mins):
-    qweight, scales, mins = random_blocks(4, has_mins, 48, 576)
-    tiled = kernels.tile_int4(qweight, scales, mins)
+def test_tiled_rows_do_not_depend_on_the_batch(isa, bits, has_mins):
+    qweight, scales, mins = random_blocks(bits, has_mins, 40, 576)
+    tiled = TILERS[bits](qweight, scales, mins)
     x = torch.randn(19, 576)
-    together = kernels.quant_matmul(x, *tiled, 4)
+    together = kernels.quant_matmul(x, *tiled, bits)
     for r in (0, 3, 4, 17, 18):
         for start in (r, max(0, r - 1), max(0, r - 5)):  # alone, in a pair, in a tile of 4 and a tail
-            part = kernels.quant_matmul(x[start:r + 1].contiguous(), *tiled, 4)
+            part = kernels.quant_matmul(x[start:r + 1].contiguous(), *tiled, bits)
             assert torch.equal(part[-1], together[r])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("has_mins", [False, True])
-def test_tiled_vnni_kernel_is_the_avx2_kernel_bit_for_bit(has_mins):
+def test_tiled_vnni_kernel_is_the_avx2_kernel_bit_for_bit(bits, has_mins):
     """The AVX-512 VNNI tile loops (one tile, and two tiles at once) sum each block's products
-    exactly in int32 (as AVX2's int16 partial sums do) and then take the same float steps: they
+    exactly in int32 (as AVX2's int16/int32 partial sums do) and then take the same float steps: they
     must agree with AVX2 bit for bit, so a model's outputs do not depend on which of these CPUs
-    serves it, nor on which loop a row count picks."""
+    serves it, nor on which loop a row count picks. int8's portable loop takes the same steps too."""
     lib = kernels.library()
     if kernels.isa() != "avx512vnni":
         pytest.skip("this CPU has no AVX-512 VNNI")
-    qweight, scales, mins = random_blocks(4, has_mins, 72, 2048, seed=5)  # 9 tiles: 4 pairs and one alone
-    tiled = kernels.tile_int4(qweight, scales, mins)
+    qweight, scales, mins = random_blocks(bits, has_mins, 72, 2048, seed=5)  # 9 tiles: 4 pairs and one alone
+    tiled = TILERS[bits](qweight, scales, mins)
+    paths = (3, 2, 0) if bits == 8 else (3, 2)
     try:
         for rows in (1, 3, 4, 7, 8, 9, 17, 64):  # the one-tile loop below 8 rows, tile pairs from 8
             x = torch.randn(rows, 2048) * 2
             x[0, 7] = 90.0  # a coarse block: activation bytes of both signs at full range
-            lib.brisk_kernels_force_isa(3)
-            vnni = kernels.quant_matmul(x, *tiled, 4)
-            lib.brisk_kernels_force_isa(2)
-            avx2 = kernels.quant_matmul(x, *tiled, 4)
-            assert torch.equal(vnni, avx2), (rows, float((vnni - avx2).abs().max()))
+            results = []
+            for path in paths:
+                lib.brisk_kernels_force_isa(path)
+                results.append(kernels.quant_matmul(x, *tiled, bits))
+            for other in results[1:]:
+                assert torch.equal(results[0], other), (rows, float((results[0] - other).abs().max()))
     finally:
         lib.brisk_kernels_force_isa(-1)
 
@@ -332,7 +360,7 @@ def test_float_checkpoint_quantized_at_load(tmp_path, brisk_cache):
     for method, fmt in (("int8", "int8"), ("int4", "int4+min")):
         loaded = load(str(path), quantization=method, max_model_len=32, warmup=False)
         assert set(loaded.report.weight_formats.values()) == {fmt}
-        assert loaded.model.model.layers[0].mlp.down_proj.fmt.tiled == (method == "int4")
+        assert loaded.model.model.layers[0].mlp.down_proj.fmt.tiled  # both kernels read linears in tiles
         assert "lm_head" in loaded.report.weight_formats and "embed_tokens" not in loaded.report.weight_formats
         got = _logits(loaded, ids)
         rel = float((got - reference).norm() / reference.norm())

@@ -32,7 +32,8 @@ from brisk.kernels.build import SOURCES, build, source_tag
 log = logging.getLogger("brisk.kernels")
 
 QK = 32  # weights per quantization block
-TILE_ROWS = 8  # weight rows per tile of the tiled int4 layout
+TILE_ROWS = 8  # weight rows per tile of the tiled int4 and int8 layouts
+TILE_BYTES = {4: 128, 8: 256}  # bytes per tile and block of 32 weights
 PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
 _lib: ctypes.CDLL | None = None
@@ -127,7 +128,7 @@ def half_matmul(x: torch.Tensor, weight: torch.Tensor, n: int | None = None) -> 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
                  bits: int) -> torch.Tensor:
     """x [M, K] float32 contiguous CPU -> [M, N] float32 with W given as quantized blocks (row
-    layout, or int4 tiled: 3-D tensors, see `tile_int4`), or as 16-bit floats (bits 16)."""
+    layout, or tiled: 3-D tensors, see `tile_int4` / `tile_int8`), or as 16-bit floats (bits 16)."""
     if bits == 16:
         return half_matmul(x, qweight)
     lib = library()
@@ -136,10 +137,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor | 
     m, k = x.shape
     tiled = qweight.dim() == 3
     n = scales.shape[0] * (TILE_ROWS if tiled else 1)
-    xq, xd, xs = _scratch(m, k)
+    xq, xd, xs, xn = _scratch(m, k)
     out = torch.empty(m, n, dtype=torch.float32)
     lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), bits, int(tiled), m, n,
-                           k, xq, xd, xs, out.data_ptr())
+                           k, xq, xd, xs, xn, out.data_ptr())
     return out
 
 
@@ -213,14 +214,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 _scratch_local = threading.local()
 
 
-def _scratch(m: int, k: int) -> tuple[int, int, int]:
-    """Addresses of this thread's activation buffers for m x k (int8 values, two scales per
-    block), grown as needed and reused: a decode step makes ~100 matmul calls."""
+def _scratch(m: int, k: int) -> tuple[int, int, int, int]:
+    """Addresses of this thread's activation buffers for m x k (int8 values; per block a scale, the
+    scaled sum and the integer sum), grown as needed and reused: a decode step makes ~100 matmul calls."""
     have = getattr(_scratch_local, "buffers", None)
     if have is None or have[0].numel() < m * k:
         size = max(m * k, 2 * (have[0].numel() if have is not None else 0))
         have = (torch.empty(size, dtype=torch.int8), torch.empty(size // QK, dtype=torch.float32),
-                torch.empty(size // QK, dtype=torch.float32))
+                torch.empty(size // QK, dtype=torch.float32), torch.empty(size // QK, dtype=torch.int32))
         _scratch_local.buffers = have
         _scratch_local.addresses = tuple(t.data_ptr() for t in have)
     return _scratch_local.addresses
@@ -251,11 +252,39 @@ def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
     q = q.permute(0, 2, 3, 1, 4)  # [tile, block, step, row, e]
     packed = q[:, :, :4] | (q[:, :, 4:] << 4)  # [tile, block, v, row, e]
     qt = packed.reshape(n // TILE_ROWS, nb, 128).contiguous()
+    return qt, _tile_side(scales, n, nb), _tile_side(mins, n, nb)
 
-    def side(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.view(n // TILE_ROWS, TILE_ROWS, nb).transpose(1, 2).contiguous()
 
-    return qt, side(scales), side(mins)
+def tile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """int8 blocks in the row layout ([N, K], [N, K/32]) -> the tiled int8 layout (quant_matmul.cpp,
+    "int8 in tiles of 8 weight rows"): qweight [N/8, K/32, 256] (per tile and block, 8 vectors of 8 rows
+    x 4 bytes: weights 4v..4v+3), scales and mins [N/8, K/32, 8]. N must be a multiple of 8. Bytes
+    move, values do not: `untile_int8` gives back the same tensors."""
+    n, k = qweight.shape
+    if n % TILE_ROWS:
+        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
+    nb = k // QK
+    q = qweight.view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, block, v, row, e]
+    return q.reshape(n // TILE_ROWS, nb, 256).contiguous(), _tile_side(scales, n, nb), _tile_side(mins, n, nb)
+
+
+def _tile_side(t: torch.Tensor | None, n: int, nb: int) -> torch.Tensor | None:
+    """Per-block scales or offsets [N, K/32] -> [N/8, K/32, 8]: a tile's 8 rows side by side."""
+    return None if t is None else t.view(n // TILE_ROWS, TILE_ROWS, nb).transpose(1, 2).contiguous()
+
+
+def _untile_side(t: torch.Tensor | None, n: int, nb: int) -> torch.Tensor | None:
+    return None if t is None else t.transpose(1, 2).reshape(n, nb)
+
+
+def untile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The tiled int8 layout -> the row layout (the inverse of `tile_int8`)."""
+    tiles, nb, _ = qweight.shape
+    n = tiles * TILE_ROWS
+    rows = qweight.view(tiles, nb, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(n, nb * QK)
+    return rows.contiguous(), _untile_side(scales, n, nb), _untile_side(mins, n, nb)
 
 
 def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
@@ -267,11 +296,7 @@ def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     q = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [tile, block, step, row, e]
     values = q.permute(0, 3, 1, 2, 4).reshape(n, nb, QK)  # [row, block, 32 weights]
     rows = (values[:, :, :QK // 2] | (values[:, :, QK // 2:] << 4)).reshape(n, nb * QK // 2)
-
-    def side(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.transpose(1, 2).reshape(n, nb)
-
-    return rows.contiguous(), side(scales), side(mins)
+    return rows.contiguous(), _untile_side(scales, n, nb), _untile_side(mins, n, nb)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None, bits: int,
@@ -281,7 +306,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.T
     if bits == 16:
         return (unpack_half(qweight, qweight.shape[0] * HALF_PANEL) if qweight.dim() == 3 else qweight).to(dtype)
     if qweight.dim() == 3:
-        qweight, scales, mins = untile_int4(qweight, scales, mins)
+        qweight, scales, mins = (untile_int4 if bits == 4 else untile_int8)(qweight, scales, mins)
     q = unpack_int4(qweight) if bits == 4 else qweight
     n, k = q.shape
     d = scales.float().view(n, k // QK, 1)

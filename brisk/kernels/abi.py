@@ -27,12 +27,12 @@ class Dims(ctypes.Structure):  # BriskDims
 
 
 class Scratch(ctypes.Structure):  # BriskScratch
-    _fields_ = [(name, _p) for name in ("x", "qkv", "q", "attn", "proj", "gate_up", "act", "xq", "xd", "xs")]
+    _fields_ = [(name, _p) for name in ("x", "qkv", "q", "attn", "proj", "gate_up", "act", "xq", "xd", "xs", "xn")]
 
 
 # name -> (argument types, return type), as brisk_abi.h declares them
 SIGNATURES = {
-    "brisk_quant_matmul": ([_p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p], None),
+    "brisk_quant_matmul": ([_p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
     "brisk_kernels_isa": ([], _i32),
     "brisk_kernels_force_isa": ([_i32], None),
     "brisk_half_matmul": ([_p, _p, _i32, _i64, _i64, _i64, _p], _i32),

@@ -15,7 +15,7 @@ struct BriskQuantWeight {
     const uint16_t* m;  // null: no offsets
     const float* bias;  // null: no bias
     int64_t bits, n, k;
-    int64_t tiled;  // int4 in tiles of 8 rows; 16-bit floats in panels of 16 rows
+    int64_t tiled;  // int4/int8 in tiles of 8 rows; 16-bit floats in panels of 16 rows
     int64_t half;   // bits 16: 1 bfloat16, 2 float16
 };
 
@@ -41,13 +41,17 @@ struct BriskScratch {  // float32 buffers the caller allocates, sized for the st
     float *x, *qkv, *q, *attn, *proj, *gate_up, *act;
     int8_t* xq;  // activation blocks for the matmuls
     float *xd, *xs;
+    int32_t* xn;
 };
 
 extern "C" {
 
 // quant_matmul.cpp: out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch first.
+// xq [M, K], xd, xs [M, K/32] float and xn [M, K/32] int32: the activation blocks' values, scales,
+// scaled sums and integer sums.
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
-                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out);
+                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn,
+                        float* out);
 int brisk_kernels_isa();
 void brisk_kernels_force_isa(int isa);
 

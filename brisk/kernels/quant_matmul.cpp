@@ -10,8 +10,9 @@
 // llama.cpp does for its CPU dot products), so each block's dot product is integer
 // (AVX2 maddubs) and one float FMA: sum_j w_j x_j = d*dx*sum(q_j*xq_j) + m*dx*sum(xq_j).
 //
-// int4 also comes in a tiled layout of 8 weight rows (see "int4 in tiles of 8 weight rows" below),
-// which brisk's conversion writes for linear layers; embeddings keep the row layout.
+// int4 and int8 also come in tiled layouts of 8 weight rows (see "int4 in tiles of 8 weight rows" and
+// "int8 in tiles of 8 weight rows" below), which brisk's conversion writes for linear layers;
+// embeddings keep the row layout.
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py); threads come from OpenMP, the
 // same libgomp that PyTorch already loaded, so they share its thread team.
@@ -59,14 +60,15 @@ struct Weights {
 };
 
 struct Acts {
-    const int8_t* q;  // [M, K]
-    const float* d;   // [M, K/32] scale of each block
-    const float* s;   // [M, K/32] d * sum(q) of each block
+    const int8_t* q;    // [M, K]
+    const float* d;     // [M, K/32] scale of each block
+    const float* s;     // [M, K/32] d * sum(q) of each block
+    const int32_t* n;   // [M, K/32] sum(q) of each block (the tiled int8 kernel's exact offset)
 };
 
 // ---------------------------------------------------------------- scalar reference path
 
-void quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+void quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn) {
     const int64_t nb = K / QK;
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -82,6 +84,7 @@ void quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* xq, floa
             }
             xd[r * nb + b] = d;
             xs[r * nb + b] = d * (float)sum;
+            xn[r * nb + b] = sum;
         }
     }
 }
@@ -116,7 +119,8 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
 }
 
 __attribute__((target("avx2,fma,f16c")))
-void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, bool paired) {
+void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn,
+                        bool paired) {
     const int64_t nb = K / QK;
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -155,6 +159,7 @@ void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float*
             _mm256_storeu_si256((__m256i*)dst, p);
             xd[r * nb + b] = d;
             xs[r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+            xn[r * nb + b] = _mm_cvtsi128_si32(s4);
         }
     }
 }
@@ -446,6 +451,160 @@ void tile_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, i
     }
 }
 
+// ---------------------------------------------------------------- int8 in tiles of 8 weight rows
+//
+// The tiled int8 layout (`tiled`, bits 8, N a multiple of 8; brisk.kernels.tile_int8 writes it at
+// conversion): for tile t and block b 256 bytes at q + (t * nb + b) * 256, eight 32-byte vectors:
+// vector v holds, for each row j of the tile, 4 signed bytes at v*32 + 4j = the row's weights
+// 4v..4v+3 of the block (GGUF Q8_0's bytes, moved, not changed). Scales and offsets as int4's tiles.
+//
+// Each block's integer sum sum_j q_j x_j is exact in int32 on every path, and the float steps after
+// it are the same on every path and for every row count: acc = fma(tot, d * yd, acc), then (with
+// offsets) acc = fma(m, ys, acc). So all paths give the same bits, alone or in any batch.
+//   AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes; the weights become unsigned as
+//     q + 128 (one xor), and the block's sum loses 128 * sum(x) in int32 (the activation block's
+//     integer sum, from the quantizer). Two tiles at once (16 rows in a zmm, as tile_pair_vnni), the
+//     activations as 4-byte broadcasts: 8 vpdpbusd per block and activation row for 16 weight rows.
+//   AVX2: maddubs(|q|, x with q's sign) (|products| <= 2 * 128 * 127 < 32768: no saturation), one
+//     madd to int32 per vector.
+
+template <int MT>
+__attribute__((target("avx2,fma,f16c")))
+void tile8_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const int8_t* wt = reinterpret_cast<const int8_t*>(w.q) + tile * nb * 256;
+    const uint16_t* dt = w.d + tile * nb * NR;
+    const uint16_t* mt = w.m ? w.m + tile * nb * NR : nullptr;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i s32[MT];
+        for (int i = 0; i < MT; i++) s32[i] = _mm256_setzero_si256();
+        const int8_t* yb = a.q + r0 * K + b * QK;
+        for (int v = 0; v < 8; v++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(wt + b * 256 + v * 32));
+            const __m256i mag = _mm256_abs_epi8(q);
+            for (int i = 0; i < MT; i++) {
+                int32_t y4;
+                std::memcpy(&y4, yb + i * K + 4 * v, 4);
+                const __m256i y = _mm256_sign_epi8(_mm256_set1_epi32(y4), q);
+                s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, y), ones));
+            }
+        }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + b * NR)));
+        for (int i = 0; i < MT; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
+                                     acc[i]);
+            if (mt)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mt + b * NR))),
+                                         _mm256_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
+}
+
+// One tile (8 rows) with VNNI in a ymm: the last tile of an odd count.
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+void tile8_rows_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* wt = w.q + tile * nb * 256;
+    const uint16_t* dt = w.d + tile * nb * NR;
+    const uint16_t* mt = w.m ? w.m + tile * nb * NR : nullptr;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i u[8];
+        for (int v = 0; v < 8; v++) u[v] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wt + b * 256 + v * 32)), flip);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + b * NR)));
+        for (int i = 0; i < MT; i++) {
+            typedef int32_t __attribute__((may_alias)) group_t;
+            const group_t* y = reinterpret_cast<const group_t*>(a.q + (r0 + i) * K + b * QK);
+            __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(y[0]));
+            __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[1], _mm256_set1_epi32(y[1]));
+            for (int v = 2; v < 8; v += 2) {
+                s0 = _mm256_dpbusd_epi32(s0, u[v], _mm256_set1_epi32(y[v]));
+                s1 = _mm256_dpbusd_epi32(s1, u[v + 1], _mm256_set1_epi32(y[v + 1]));
+            }
+            const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * a.n[(r0 + i) * nb + b]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
+                                     acc[i]);
+            if (mt)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mt + b * NR))),
+                                         _mm256_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
+}
+
+// Two tiles (16 rows) with VNNI in a zmm.
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+void tile8_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* w0 = w.q + tile * nb * 256;
+    const uint8_t* w1 = w0 + nb * 256;
+    const uint16_t* d0 = w.d + tile * nb * NR;
+    const uint16_t* d1 = d0 + nb * NR;
+    const uint16_t* m0 = w.m ? w.m + tile * nb * NR : nullptr;
+    const uint16_t* m1 = m0 ? m0 + nb * NR : nullptr;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i u[8];
+        for (int v = 0; v < 8; v++)
+            u[v] = _mm512_xor_si512(_mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + b * 256 + v * 32))),
+                _mm256_loadu_si256((const __m256i*)(w1 + b * 256 + v * 32)), 1), flip);
+        const __m512 d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(d0 + b * NR))),
+            _mm_loadu_si128((const __m128i*)(d1 + b * NR)), 1));
+        for (int i = 0; i < MT; i++) {
+            typedef int32_t __attribute__((may_alias)) group_t;
+            const group_t* y = reinterpret_cast<const group_t*>(a.q + (r0 + i) * K + b * QK);
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(y[0]));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], _mm512_set1_epi32(y[1]));
+            for (int v = 2; v < 8; v += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, u[v], _mm512_set1_epi32(y[v]));
+                s1 = _mm512_dpbusd_epi32(s1, u[v + 1], _mm512_set1_epi32(y[v + 1]));
+            }
+            const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.n[(r0 + i) * nb + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_set1_ps(a.d[(r0 + i) * nb + b])),
+                                     acc[i]);
+            if (m0)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_inserti128_si256(
+                                             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(m0 + b * NR))),
+                                             _mm_loadu_si128((const __m128i*)(m1 + b * NR)), 1)),
+                                         _mm512_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, _mm512_castps512_ps256(acc[i]));
+        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR + NR,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+    }
+}
+
+// Weight row n of the tiled int8 layout, one activation row, portable: the same float steps.
+float dot_scalar_tiled8(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+    const int64_t nb = K / QK, tile = n / NR, j = n % NR;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t* blk = reinterpret_cast<const int8_t*>(w.q) + (tile * nb + b) * 256;
+        const int8_t* y = a.q + r * K + b * QK;
+        int isum = 0;
+        for (int v = 0; v < 8; v++)
+            for (int e = 0; e < 4; e++) isum += blk[v * 32 + j * 4 + e] * y[4 * v + e];
+        const float d = f16_to_f32(w.d[(tile * nb + b) * NR + j]);
+        acc = std::fma((float)isum, d * a.d[r * nb + b], acc);
+        if (w.m) acc = std::fma(f16_to_f32(w.m[(tile * nb + b) * NR + j]), a.s[r * nb + b], acc);
+    }
+    return acc;
+}
+
 // Weight row n of the tiled layout, one activation row, portable (same math as dot_scalar).
 float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
     const int64_t nb = K / QK, tile = n / NR, j = n % NR;
@@ -497,7 +656,42 @@ bool has_avx2() { return kernel_isa() >= 2; }
 constexpr int64_t ROWS_PER_TASK = 8;  // weight rows a thread takes at a time (stay in L1/L2 across row tiles)
 constexpr int MT = 4;                 // activation rows per register tile
 
+// The tiled int8 layout: tile pairs with VNNI at every row count (no nibbles to unpack, so the pair
+// pays from one row on), else one tile at a time.
+void matmul_tiled8(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
+    const int isa = kernel_isa();
+    const int64_t tiles = N / NR;
+    if (isa >= 3) {
+        const int64_t pairs = (tiles + 1) / 2;
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t t = 2 * p;
+            int64_t r = 0;
+            if (t + 1 < tiles) {
+                for (; r + 4 <= M; r += 4) tile8_pair_vnni<4>(w, t, a, r, K, out, N);
+                for (; r < M; r++) tile8_pair_vnni<1>(w, t, a, r, K, out, N);
+            } else {
+                for (; r + 4 <= M; r += 4) tile8_rows_vnni<4>(w, t, a, r, K, out, N);
+                for (; r < M; r++) tile8_rows_vnni<1>(w, t, a, r, K, out, N);
+            }
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        if (isa >= 2) {
+            int64_t r = 0;
+            for (; r + 4 <= M; r += 4) tile8_rows<4>(w, t, a, r, K, out, N);
+            for (; r < M; r++) tile8_rows<1>(w, t, a, r, K, out, N);
+        } else {
+            for (int64_t n = t * NR; n < (t + 1) * NR; n++)
+                for (int64_t r = 0; r < M; r++) out[r * N + n] = dot_scalar_tiled8(w, n, a, r, K);
+        }
+    }
+}
+
 void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
+    if (w.tiled && w.bits == 8) return matmul_tiled8(w, a, M, N, K, out);
     const bool avx2 = has_avx2(), vnni = kernel_isa() >= 3;
     // From 8 activation rows on, tiles two at a time (an odd last tile alone); below, the pair's
     // unpacking is not paid back (one TinyLlama layer's linears, same run: the pair loop 2.04x the
@@ -559,12 +753,13 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
 }
 
 // `paired`: the AVX2 int4 layout (whole pairs of blocks interleaved; an odd last block as is).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, bool paired) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn, bool paired) {
     const bool avx2 = has_avx2();
+    const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
-        if (avx2) quantize_rows_avx2(x + r * K, 1, K, xq + r * K, xd + r * (K / QK), xs + r * (K / QK), paired);
-        else quantize_rows_scalar(x + r * K, 1, K, xq + r * K, xd + r * (K / QK), xs + r * (K / QK));
+        if (avx2) quantize_rows_avx2(x + r * K, 1, K, xq + r * K, xd + r * nb, xs + r * nb, xn + r * nb, paired);
+        else quantize_rows_scalar(x + r * K, 1, K, xq + r * K, xd + r * nb, xs + r * nb, xn + r * nb);
     }
 }
 
@@ -574,10 +769,11 @@ extern "C" {
 
 // out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch buffers first.
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
-                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, float* out) {
-    quantize_rows(x, M, K, xq, xd, xs, bits == 4 && !tiled && has_avx2());
+                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn,
+                        float* out) {
+    quantize_rows(x, M, K, xq, xd, xs, xn, bits == 4 && !tiled && has_avx2());
     const Weights w{wq, wd, wm, bits, tiled != 0};
-    const Acts a{xq, xd, xs};
+    const Acts a{xq, xd, xs, xn};
     matmul(w, a, M, N, K, out);
 }
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from brisk.errors import ModelLoadError
-from brisk.kernels import QK, TILE_ROWS
+from brisk.kernels import QK, TILE_BYTES, TILE_ROWS
 from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64, check_type
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
@@ -45,8 +45,8 @@ from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 6  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
-# 6: F16/BF16 matrices kept 16-bit in auto
+CONVERT_VERSION = 7  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
+# 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -173,7 +173,7 @@ def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> 
     if suffix == "weight":
         return (rows, cols)
     if fmt.tiled:
-        return (rows // TILE_ROWS, cols // QK, 128 if suffix == "qweight" else TILE_ROWS)
+        return (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits] if suffix == "qweight" else TILE_ROWS)
     if suffix == "qweight":
         return (rows, cols // 2 if fmt.bits == 4 else cols)
     return (rows, cols // QK)

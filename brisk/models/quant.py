@@ -7,10 +7,11 @@ A quantized linear `name` is stored as three tensors beside each other in the ch
 [N, K] for int8), `name.scales` (float16 [N, K/32]) and, for formats with offsets
 (GGUF Q4_1/Q4_K), `name.mins` (float16 [N, K/32]); a weight is `scale * q + min`
 (int4 without offsets: `scale * (q - 8)`, GGUF Q4_0). The checkpoint describes itself: the
-dtype of `qweight` gives the bit width, the presence of `mins` the offsets. int4 linears whose
-rows fill tiles of 8 are stored tiled instead (3-D tensors: `qweight` [N/8, K/32, 128], `scales`
-and `mins` [N/8, K/32, 8]; `brisk.kernels.tile_int4`), the layout the kernel reads fastest at
-every row count; the number of dimensions tells the layout.
+dtype of `qweight` gives the bit width, the presence of `mins` the offsets. int4 and int8 linears
+whose rows fill tiles of 8 are stored tiled instead (3-D tensors: `qweight` [N/8, K/32, 128] for
+int4, [N/8, K/32, 256] for int8, `scales` and `mins` [N/8, K/32, 8]; `brisk.kernels.tile_int4` /
+`tile_int8`), the layout the kernel reads fastest at every row count; the number of dimensions
+tells the layout.
 
 The matmul runs brisk's compiled kernel (`brisk.kernels`) straight from those tensors, which
 on a warm start are views of the memory-mapped cache: nothing is unpacked or copied.
@@ -37,7 +38,8 @@ HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weig
 class QuantFormat:
     bits: int  # 4 or 8; 16: bfloat16/float16 weights kept as stored, no scales (half_matmul.cpp)
     has_mins: bool
-    # int4: stored in tiles of 8 rows (brisk.kernels.tile_int4), the layout the kernel reads fastest;
+    # int4/int8: stored in tiles of 8 rows (brisk.kernels.tile_int4/tile_int8), the layout the kernel
+    # reads fastest;
     # 16-bit: in panels of 16 rows (brisk.kernels.pack_half). Linears are stored so, embeddings
     # (looked up by row) in the row layout
     tiled: bool = False
@@ -82,7 +84,7 @@ class _Blocks(nn.Module):
         self.fmt = fmt
         if fmt.tiled:
             tiles, nb = rows // kernels.TILE_ROWS, cols // QK
-            qshape, sshape = (tiles, nb, 128), (tiles, nb, kernels.TILE_ROWS)
+            qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb, kernels.TILE_ROWS)
         else:
             qshape, sshape = ((rows, cols // 2) if fmt.bits == 4 else (rows, cols)), (rows, cols // QK)
         self.register_buffer("qweight", torch.empty(qshape, dtype=torch.uint8 if fmt.bits == 4 else torch.int8))
@@ -186,21 +188,22 @@ HALF_METHODS = {"bf16": torch.bfloat16, "f16": torch.float16}  # the QUANTIZERS 
 
 
 def tileable(name: str, fmt: QuantFormat | None, rows: int) -> bool:
-    """Whether a weight is stored tiled: int4 linears (not embeddings) whose rows fill whole tiles of
-    8, and 16-bit linears whose rows fill whole panels of 16 (brisk.kernels.pack_half)."""
+    """Whether a weight is stored tiled: int4/int8 linears (not embeddings) whose rows fill whole tiles
+    of 8, and 16-bit linears whose rows fill whole panels of 16 (brisk.kernels.pack_half)."""
     if fmt is None or not is_quantizable_weight(name):
         return False
     if fmt.bits == 16:
         return rows % kernels.HALF_PANEL == 0
-    return fmt.bits == 4 and rows % kernels.TILE_ROWS == 0
+    return fmt.bits in kernels.TILE_BYTES and rows % kernels.TILE_ROWS == 0
 
 
 def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A weight's int4 blocks (qweight/scales/mins) in the row layout -> the tiled layout; 16-bit
+    """A weight's int4/int8 blocks (qweight/scales/mins) in the row layout -> the tiled layout; 16-bit
     weights -> panels."""
     if blocks["qweight"].dtype in HALF_NAMES:
         return {"qweight": kernels.pack_half(blocks["qweight"])}
-    qweight, scales, mins = kernels.tile_int4(blocks["qweight"], blocks["scales"], blocks.get("mins"))
+    tile_blocks = kernels.tile_int4 if blocks["qweight"].dtype == torch.uint8 else kernels.tile_int8
+    qweight, scales, mins = tile_blocks(blocks["qweight"], blocks["scales"], blocks.get("mins"))
     return {"qweight": qweight, "scales": scales, **({"mins": mins} if mins is not None else {})}
 
 
