@@ -309,13 +309,13 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
     q = torch.from_numpy(gguf_convert._unpermute(q.numpy(), SMALL.heads))
     k = torch.from_numpy(gguf_convert._unpermute(k.numpy(), SMALL.kv_heads))
     assert torch.equal(qkv.dequantized(), torch.cat([q, k, v]))
-    if qkv.fmt.bits == 4:  # int4 linears are stored tiled (the kernel's fast layout), embeddings by row
-        assert qkv.fmt.tiled and qkv.qweight.dim() == 3
-    assert not loaded.model.model.embed_tokens.fmt.tiled
+    # linears and the embedding (a tied head multiplies by it) are stored tiled, the kernel's fast layout
+    assert qkv.fmt.tiled and qkv.qweight.dim() == 3
+    assert loaded.model.model.embed_tokens.fmt.tiled and loaded.model.lm_head.fmt.tiled
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
     head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
     assert torch.equal(loaded.model.lm_head.dequantized(), _gguf_float(random_gguf, head_name))
-    ids = torch.tensor([3, 17, 99])
+    ids = torch.tensor([[3, 17, 99], [8, 8, 127]])  # rows of several tiles, twice the same, the last
     assert torch.equal(loaded.model.model.embed_tokens(ids), _gguf_float(random_gguf, "token_embd.weight")[ids])
 
 

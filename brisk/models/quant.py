@@ -122,18 +122,27 @@ class QuantLinear(_Blocks):
 
 
 class QuantEmbedding(_Blocks):
-    """Token embeddings stored quantized; looked-up rows are dequantized (T rows per step)."""
+    """Token embeddings stored quantized; looked-up rows are dequantized (T rows per step). Stored in
+    tiles like a linear's (so that a tied LM head reads them with the tiled kernel), a lookup takes
+    each id's tile and picks its row out of it."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: QuantFormat, dtype: torch.dtype):
-        if fmt.tiled:
-            raise BriskError("quantized embeddings are stored by row, not in tiles; convert the model again")
         super().__init__(num_embeddings, embedding_dim, fmt)
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        scales = None if self.scales is None else self.scales[ids]
-        mins = None if self.mins is None else self.mins[ids]
-        return kernels.dequantize(self.qweight[ids], scales, mins, self.fmt.bits, self.dtype)
+        if not self.fmt.tiled:
+            scales = None if self.scales is None else self.scales[ids]
+            mins = None if self.mins is None else self.mins[ids]
+            return kernels.dequantize(self.qweight[ids], scales, mins, self.fmt.bits, self.dtype)
+        flat = ids.reshape(-1)
+        tiles = flat // kernels.TILE_ROWS
+        picked = torch.arange(flat.numel(), device=flat.device) * kernels.TILE_ROWS + flat % kernels.TILE_ROWS
+        untile = kernels.untile_int4 if self.fmt.bits == 4 else kernels.untile_int8
+        rows = untile(self.qweight[tiles], self.scales[tiles], None if self.mins is None else self.mins[tiles])
+        q, scales, mins = (None if t is None else t[picked] for t in rows)
+        values = kernels.dequantize(q, scales, mins, self.fmt.bits, self.dtype)
+        return values.view(*ids.shape, self.embedding_dim)
 
 
 # ------------------------------------------------------------------ quantizing float weights
@@ -188,13 +197,15 @@ HALF_METHODS = {"bf16": torch.bfloat16, "f16": torch.float16}  # the QUANTIZERS 
 
 
 def tileable(name: str, fmt: QuantFormat | None, rows: int) -> bool:
-    """Whether a weight is stored tiled: int4/int8 linears (not embeddings) whose rows fill whole tiles
-    of 8, and 16-bit linears whose rows fill whole panels of 16 (brisk.kernels.pack_half)."""
-    if fmt is None or not is_quantizable_weight(name):
+    """Whether a weight is stored tiled: int4/int8 linears and token embeddings (a tied LM head
+    multiplies by them) whose rows fill whole tiles of 8, and 16-bit linears whose rows fill whole
+    panels of 16 (brisk.kernels.pack_half)."""
+    if fmt is None:
         return False
     if fmt.bits == 16:
-        return rows % kernels.HALF_PANEL == 0
-    return fmt.bits in kernels.TILE_BYTES and rows % kernels.TILE_ROWS == 0
+        return is_quantizable_weight(name) and rows % kernels.HALF_PANEL == 0
+    return ((is_quantizable_weight(name) or name == "model.embed_tokens.weight") and fmt.bits in kernels.TILE_BYTES
+            and rows % kernels.TILE_ROWS == 0)
 
 
 def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
