@@ -30,7 +30,7 @@ from brisk.errors import BriskError
 from brisk.loading import gguf_convert
 from brisk.loading.gguf_random import Shape, write_random_gguf
 from brisk.loading.loader import load
-from brisk.models.quant import QuantFormat, QuantLinear, quantize_int4, quantize_int8
+from brisk.models.quant import QuantFormat, QuantLinear, quantize_int4, quantize_int8, tile
 from brisk.models.simple_cache import SingleSequenceCache
 
 
@@ -244,7 +244,60 @@ def test_legacy_types_repack_bit_for_bit(qtype, demo_gguf_path):
     np.testing.assert_array_equal(ours.numpy(), gguf_dequantize(raw, QT[qtype]))
 
 
+def _q4_k_super(rows, cols, seed):
+    """Random Q4_K weights [rows, cols], and brisk's tiled arrays of them (super-block scales kept)."""
+    raw = _random_blocks("Q4_K", rows * cols // 256, np.random.default_rng(seed)).reshape(rows, -1)
+    arrays = {k: torch.from_numpy(v) for k, v in gguf_convert._repack_q4_k_super(raw, rows, cols).items()}
+    tiled = tile(arrays)
+    return raw, (tiled["qweight"], tiled["scales"], tiled["mins"]), tiled["subscales"]
+
+
+def test_q4_k_kept_with_super_block_scales_repacks_bit_for_bit():
+    rows, cols = 16, 768  # 2 tiles, 3 super-blocks
+    raw, (qweight, supers, super_mins), sub = _q4_k_super(rows, cols, seed=7)
+    assert qweight.shape == (2, 24, 128) and supers.shape == (2, 3, 8) and sub.shape == (2, 24, 16)
+    ours = kernels.dequantize(qweight, supers, super_mins, 4, subscales=sub).numpy()
+    np.testing.assert_array_equal(ours, gguf_dequantize(raw, QT.Q4_K).reshape(rows, cols))
+    bytes_per_weight = sum(t.numel() * t.element_size() for t in (qweight, supers, super_mins, sub)) / (rows * cols)
+    assert bytes_per_weight * 8 == QuantFormat(4, True, True, superblocks=True).bits_per_weight == 4.625
+
+
+@pytest.mark.parametrize("k", [256, 1024])
+def test_q4_k_kernel_computes_gguf_weights_on_every_path(isa, k):
+    """The kernel on Q4_K kept as stored, against float64 math on gguf's own dequantization, at every
+    row count; 40 rows = 5 tiles (VNNI: two pairs and a tile alone)."""
+    raw, tiled, sub = _q4_k_super(40, k, seed=11)
+    w = torch.from_numpy(gguf_dequantize(raw, QT.Q4_K).reshape(40, k)).double()
+    for rows in (1, 3, 4, 8, 9, 17):
+        x = torch.randn(rows, k) * 3
+        out = kernels.quant_matmul(x, *tiled, 4, subscales=sub)
+        q, d = kernels.quantize_activations(x)
+        ref = ((q.view(rows, k // 32, 32).double() * d.double()[..., None]).view(rows, k) @ w.T).float()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_q4_k_paths_agree_bit_for_bit_alone_or_batched():
+    lib = kernels.library()
+    if kernels.isa() != "avx512vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    _, tiled, sub = _q4_k_super(72, 1024, seed=5)
+    x = torch.randn(19, 1024) * 2
+    try:
+        results = []
+        for path in (3, 2):
+            lib.brisk_kernels_force_isa(path)
+            together = kernels.quant_matmul(x, *tiled, 4, subscales=sub)
+            for r in (0, 4, 18):
+                assert torch.equal(kernels.quant_matmul(x[r:r + 1].contiguous(), *tiled, 4, subscales=sub)[0],
+                                   together[r])
+            results.append(together)
+        assert torch.equal(results[0], results[1])
+    finally:
+        lib.brisk_kernels_force_isa(-1)
+
+
 def test_q4_k_maps_onto_int4_blocks_within_float16_scale_rounding():
+    """Where a Q4_K weight cannot be tiled (rows not a multiple of 8), it becomes plain int4 blocks."""
     rng = np.random.default_rng(7)
     rows, cols = 8, 512
     raw = _random_blocks("Q4_K", rows * cols // 256, rng).reshape(rows, -1)
@@ -275,10 +328,15 @@ def test_five_and_six_bit_types_become_int8_within_half_a_step(qtype):
 SMALL = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, context=128)
 
 
-@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0"])
+# Q4_K's super-blocks need rows of whole 256s (same heads, so the Q/K permutation is SMALL's)
+SMALL_K = Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128)
+
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
 def random_gguf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / f"small-{request.param}.gguf"
-    return write_random_gguf(path, SMALL, request.param, None, tied_embeddings=request.param == "Q8_0")
+    shape = SMALL_K if request.param == "Q4_K" else SMALL
+    return write_random_gguf(path, shape, request.param, None, tied_embeddings=request.param in ("Q8_0", "Q4_K"))
 
 
 @functools.lru_cache(maxsize=2)
@@ -312,6 +370,7 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
     # linears and the embedding (a tied head multiplies by it) are stored tiled, the kernel's fast layout
     assert qkv.fmt.tiled and qkv.qweight.dim() == 3
     assert loaded.model.model.embed_tokens.fmt.tiled and loaded.model.lm_head.fmt.tiled
+    assert qkv.fmt.superblocks == (_reader(random_gguf).tensors[2].tensor_type == QT.Q4_K)  # Q4_K kept as stored
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
     head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
     assert torch.equal(loaded.model.lm_head.dequantized(), _gguf_float(random_gguf, head_name))

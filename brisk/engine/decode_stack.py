@@ -31,13 +31,14 @@ log = logging.getLogger("brisk.decode_stack")
 
 def _quant_weight(linear: torch.nn.Module) -> abi.QuantWeight | None:
     if not isinstance(linear, QuantLinear) or not all(
-            t.device.type == "cpu" and t.is_contiguous() for t in (linear.qweight, linear.scales, linear.mins)
-            if t is not None):
+            t.device.type == "cpu" and t.is_contiguous()
+            for t in (linear.qweight, linear.scales, linear.mins, linear.subscales) if t is not None):
         return None
     if linear.bias is not None and not (linear.bias.dtype == torch.float32 and linear.bias.is_contiguous()):
         return None
     return abi.QuantWeight(linear.qweight.data_ptr(), None if linear.scales is None else linear.scales.data_ptr(),
                         None if linear.mins is None else linear.mins.data_ptr(),
+                        None if linear.subscales is None else linear.subscales.data_ptr(),
                         None if linear.bias is None else linear.bias.data_ptr(),
                         linear.fmt.bits, linear.out_features, linear.in_features, int(linear.fmt.tiled),
                         kernels.HALF_KINDS.get(linear.fmt.half, 0))

@@ -126,21 +126,22 @@ def half_matmul(x: torch.Tensor, weight: torch.Tensor, n: int | None = None) -> 
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
-                 bits: int) -> torch.Tensor:
+                 bits: int, subscales: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 contiguous CPU -> [M, N] float32 with W given as quantized blocks (row
-    layout, or tiled: 3-D tensors, see `tile_int4` / `tile_int8`), or as 16-bit floats (bits 16)."""
+    layout, or tiled: 3-D tensors, see `tile_int4` / `tile_int8`; with `subscales`, tiled int4 with
+    super-block scales, see `tile_superblocks`), or as 16-bit floats (bits 16)."""
     if bits == 16:
         return half_matmul(x, qweight)
     lib = library()
     if lib is None:
-        return reference_matmul(x, qweight, scales, mins, bits)
+        return reference_matmul(x, qweight, scales, mins, bits, subscales=subscales)
     m, k = x.shape
     tiled = qweight.dim() == 3
     n = scales.shape[0] * (TILE_ROWS if tiled else 1)
     xq, xd, xs, xn = _scratch(m, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), bits, int(tiled), m, n,
-                           k, xq, xd, xs, xn, out.data_ptr())
+    lib.brisk_quant_matmul(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), _ptr(subscales), bits,
+                           int(tiled), m, n, k, xq, xd, xs, xn, out.data_ptr())
     return out
 
 
@@ -287,6 +288,31 @@ def untile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     return rows.contiguous(), _untile_side(scales, n, nb), _untile_side(mins, n, nb)
 
 
+SUPER = 8  # blocks of 32 per super-block of 256 weights (GGUF's K-quants)
+
+
+def tile_superblocks(supers: torch.Tensor, super_mins: torch.Tensor, subscales: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scales of int4 with super-block scales (GGUF Q4_K kept as stored), row layout -> tiled
+    (quant_matmul.cpp, `tile_scales`): `supers`/`super_mins` float16 [N, K/256] (d, dmin) -> [N/8, K/256, 8];
+    `subscales` uint8 [N, K/32, 2] (6-bit sc, mn) -> [N/8, K/32, 16] (the tile's 8 sc, then its 8 mn).
+    The weights are tiled as `tile_int4`'s."""
+    n, nb, _ = subscales.shape
+    sub = subscales.view(n // TILE_ROWS, TILE_ROWS, nb, 2).permute(0, 2, 3, 1).reshape(n // TILE_ROWS, nb, 16)
+    return _tile_side(supers, n, nb // SUPER), _tile_side(super_mins, n, nb // SUPER), sub.contiguous()
+
+
+def superblock_scales(supers: torch.Tensor, super_mins: torch.Tensor, subscales: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled super-block scales -> each block's float32 scale d * sc and offset -(dmin * mn), [N/8, K/32, 8]
+    like a plain tile's (both exact in float32: what gguf's Q4_K dequantizer computes)."""
+    tiles, nb, _ = subscales.shape
+    sub = subscales.view(tiles, nb, 2, TILE_ROWS).float()
+    d = supers.float().repeat_interleave(SUPER, dim=1)
+    dmin = super_mins.float().repeat_interleave(SUPER, dim=1)
+    return d * sub[:, :, 0], -(dmin * sub[:, :, 1])
+
+
 def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The tiled int4 layout -> the row layout (the inverse of `tile_int4`)."""
@@ -300,11 +326,14 @@ def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None, bits: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Quantized blocks -> dense [N, K] weights (w = d * q + m; int4 without m: m = -8 d); 16-bit
-    float weights (bits 16) are widened (exact)."""
+               dtype: torch.dtype = torch.float32, subscales: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantized blocks -> dense [N, K] weights (w = d * q + m; int4 without m: m = -8 d; with
+    `subscales`, d and m from the super-block scales, see `superblock_scales`); 16-bit float weights
+    (bits 16) are widened (exact)."""
     if bits == 16:
         return (unpack_half(qweight, qweight.shape[0] * HALF_PANEL) if qweight.dim() == 3 else qweight).to(dtype)
+    if subscales is not None:
+        scales, mins = superblock_scales(scales, mins, subscales)
     if qweight.dim() == 3:
         qweight, scales, mins = (untile_int4 if bits == 4 else untile_int8)(qweight, scales, mins)
     q = unpack_int4(qweight) if bits == 4 else qweight
@@ -331,10 +360,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                     bits: int, quantized_activations: bool = True) -> torch.Tensor:
+                     bits: int, subscales: torch.Tensor | None = None, quantized_activations: bool = True
+                     ) -> torch.Tensor:
     """What the kernel computes, in float64: with `quantized_activations` the same int8 activation
     blocks (so kernel and reference differ only by float summation order), else plain x."""
-    w = dequantize(qweight, scales, mins, bits, torch.float64)
+    w = dequantize(qweight, scales, mins, bits, torch.float64, subscales)
     if not quantized_activations or bits == 16:  # 16-bit float weights take float32 activations as they are
         return (x.double() @ w.T).float()
     q, d = quantize_activations(x)

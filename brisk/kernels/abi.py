@@ -10,7 +10,7 @@ _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_f
 
 
 class QuantWeight(ctypes.Structure):  # BriskQuantWeight
-    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64),
+    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("sub", _p), ("bias", _p), ("bits", _i64), ("n", _i64), ("k", _i64),
                 ("tiled", _i64), ("half", _i64)]
 
 
@@ -32,7 +32,7 @@ class Scratch(ctypes.Structure):  # BriskScratch
 
 # name -> (argument types, return type), as brisk_abi.h declares them
 SIGNATURES = {
-    "brisk_quant_matmul": ([_p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
+    "brisk_quant_matmul": ([_p, _p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
     "brisk_kernels_isa": ([], _i32),
     "brisk_kernels_force_isa": ([_i32], None),
     "brisk_half_matmul": ([_p, _p, _i32, _i64, _i64, _i64, _p], _i32),

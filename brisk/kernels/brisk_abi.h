@@ -13,6 +13,7 @@ struct BriskQuantWeight {
     const uint8_t* q;
     const uint16_t* d;
     const uint16_t* m;  // null: no offsets
+    const uint8_t* sub;  // tiled int4 with super-block scales (Q4_K), else null
     const float* bias;  // null: no bias
     int64_t bits, n, k;
     int64_t tiled;  // int4/int8 in tiles of 8 rows; 16-bit floats in panels of 16 rows
@@ -49,9 +50,10 @@ extern "C" {
 // quant_matmul.cpp: out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch first.
 // xq [M, K], xd, xs [M, K/32] float and xn [M, K/32] int32: the activation blocks' values, scales,
 // scaled sums and integer sums.
-void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
-                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn,
-                        float* out);
+// wsub: tiled int4 with super-block scales (GGUF Q4_K as stored; quant_matmul.cpp, tile_scales), else null.
+void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
+                        const uint8_t* wsub, int bits, int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq,
+                        float* xd, float* xs, int32_t* xn, float* out);
 int brisk_kernels_isa();
 void brisk_kernels_force_isa(int isa);
 

@@ -28,7 +28,7 @@ void matmul(const QuantWeight& w, const float* x, int64_t rows, const Scratch& s
     else if (w.bits == 16)
         brisk_half_matmul(x, reinterpret_cast<const uint16_t*>(w.q), (int)w.half, rows, w.n, w.k, out);
     else
-        brisk_quant_matmul(x, w.q, w.d, w.m, (int)w.bits, (int)w.tiled, rows, w.n, w.k, s.xq, s.xd, s.xs, s.xn, out);
+        brisk_quant_matmul(x, w.q, w.d, w.m, w.sub, (int)w.bits, (int)w.tiled, rows, w.n, w.k, s.xq, s.xd, s.xs, s.xn, out);
     if (w.bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < w.n; i++) out[r * w.n + i] += w.bias[i];

@@ -56,7 +56,8 @@ struct Weights {
     const uint16_t* d;    // [N, K/32] float16 scales
     const uint16_t* m;    // [N, K/32] float16 offsets, or null
     int bits;             // 4 or 8
-    bool tiled;           // int4 in tiles of 8 rows (see "int4 in tiles of 8 weight rows" below)
+    bool tiled;           // in tiles of 8 rows (see "int4 in tiles of 8 weight rows" below)
+    const uint8_t* sub;   // tiled int4 with super-block scales (GGUF Q4_K), else null: see tile_scales
 };
 
 struct Acts {
@@ -308,15 +309,49 @@ void dot_pairs_int4(const Weights& w, int64_t n, const Acts& a, int64_t r0, int6
 
 constexpr int NR = 8;
 
+// A tile's 8 scales and offsets for block b, as the float steps use them. Plain tiles store them
+// (float16, [tiles][nb][8]; no offsets: -8 d). Tiles with super-block scales (`sub`, GGUF Q4_K kept as
+// stored) hold, per row and super-block of 8 blocks, d and dmin (float16, [tiles][nb/8][8] in `d`/`m`)
+// and per block 6-bit integers sc and mn (`sub`: [tiles][nb][16], the tile's 8 sc then its 8 mn):
+// scale = d * sc and offset = -(dmin * mn), both exact in float32 (11 x 6 significant bits), so a
+// block's weights are what gguf's dequantizer computes, bit for bit.
+__attribute__((target("avx2,fma,f16c")))
+inline void tile_scales(const Weights& w, int64_t tile, int64_t b, int64_t nb, __m256& d8, __m256& m8) {
+    if (w.sub) {
+        const int64_t at = (tile * (nb / 8) + b / 8) * NR;
+        const uint8_t* s = w.sub + (tile * nb + b) * 16;
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)s)));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + 8))));
+        d8 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + at))), sc);
+        m8 = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.m + at))), mn),
+                           _mm256_set1_ps(-0.f));
+        return;
+    }
+    d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * nb + b) * NR)));
+    m8 = w.m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.m + (tile * nb + b) * NR)))
+             : _mm256_mul_ps(d8, _mm256_set1_ps(-8.f));
+}
+
+// The same for scalar code: row j of the tile.
+inline void tile_scale(const Weights& w, int64_t tile, int64_t b, int64_t nb, int64_t j, float& d, float& m) {
+    if (w.sub) {
+        const int64_t at = (tile * (nb / 8) + b / 8) * NR + j;
+        const uint8_t* s = w.sub + (tile * nb + b) * 16;
+        d = f16_to_f32(w.d[at]) * (float)s[j];
+        m = -(f16_to_f32(w.m[at]) * (float)s[8 + j]);
+        return;
+    }
+    d = f16_to_f32(w.d[(tile * nb + b) * NR + j]);
+    m = w.m ? f16_to_f32(w.m[(tile * nb + b) * NR + j]) : -8.f * d;
+}
+
+
 template <int MT>
 __attribute__((target("avx2,fma,f16c")))
 void tile_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
     const int64_t nb = K / QK;
     const uint8_t* wt = w.q + tile * nb * 128;
-    const uint16_t* dt = w.d + tile * nb * NR;
-    const uint16_t* mt = w.m ? w.m + tile * nb * NR : nullptr;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256 minus8 = _mm256_set1_ps(-8.f);
     __m256 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -334,8 +369,8 @@ void tile_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_
                                                                    _mm256_maddubs_epi16(hi, _mm256_set1_epi32(y_hi))));
             }
         }
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + b * NR)));
-        const __m256 m8 = mt ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mt + b * NR))) : _mm256_mul_ps(d8, minus8);
+        __m256 d8, m8;
+        tile_scales(w, tile, b, nb, d8, m8);
         for (int i = 0; i < MT; i++) {
             const __m256 tot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
             acc[i] = _mm256_fmadd_ps(tot, _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])), acc[i]);
@@ -357,23 +392,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 void tile_rows_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
     const int64_t nb = K / QK;
     const uint8_t* wt = w.q + tile * nb * 128;
-    const uint16_t* dt = w.d + tile * nb * NR;
-    const uint16_t* mt = w.m ? w.m + tile * nb * NR : nullptr;
     const __m512i low = _mm512_set1_epi8(0x0F);
     // dword g of the block's 32 activation bytes into lanes 0-7, dword g + 1 into lanes 8-15
     const __m512i lo01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512i lo23 = _mm512_add_epi32(lo01, _mm512_set1_epi32(2));
     const __m512i hi01 = _mm512_add_epi32(lo01, _mm512_set1_epi32(4));
     const __m512i hi23 = _mm512_add_epi32(lo01, _mm512_set1_epi32(6));
-    const __m256 minus8 = _mm256_set1_ps(-8.f);
     __m256 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const __m512i raw01 = _mm512_loadu_si512(wt + b * 128), raw23 = _mm512_loadu_si512(wt + b * 128 + 64);
         const __m512i wl01 = _mm512_and_si512(raw01, low), wh01 = _mm512_and_si512(_mm512_srli_epi16(raw01, 4), low);
         const __m512i wl23 = _mm512_and_si512(raw23, low), wh23 = _mm512_and_si512(_mm512_srli_epi16(raw23, 4), low);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + b * NR)));
-        const __m256 m8 = mt ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mt + b * NR))) : _mm256_mul_ps(d8, minus8);
+        __m256 d8, m8;
+        tile_scales(w, tile, b, nb, d8, m8);
         for (int i = 0; i < MT; i++) {
             const __m512i y = _mm512_castsi256_si512(
                 _mm256_loadu_si256((const __m256i*)(a.q + (r0 + i) * K + b * QK)));
@@ -402,12 +434,7 @@ void tile_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, i
     const int64_t nb = K / QK;
     const uint8_t* w0 = w.q + tile * nb * 128;
     const uint8_t* w1 = w0 + nb * 128;
-    const uint16_t* d0 = w.d + tile * nb * NR;
-    const uint16_t* d1 = d0 + nb * NR;
-    const uint16_t* m0 = w.m ? w.m + tile * nb * NR : nullptr;
-    const uint16_t* m1 = m0 ? m0 + nb * NR : nullptr;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512 minus8 = _mm512_set1_ps(-8.f);
     __m512 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -419,13 +446,13 @@ void tile_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, i
             lo[v] = _mm512_and_si512(raw, low);
             hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
         }
-        const __m512 d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(d0 + b * NR))),
-            _mm_loadu_si128((const __m128i*)(d1 + b * NR)), 1));
-        const __m512 m16 = m0 ? _mm512_cvtph_ps(_mm256_inserti128_si256(
-                                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(m0 + b * NR))),
-                                    _mm_loadu_si128((const __m128i*)(m1 + b * NR)), 1))
-                              : _mm512_mul_ps(d16, minus8);
+        __m256 da, ma, db, mb;
+        tile_scales(w, tile, b, nb, da, ma);
+        tile_scales(w, tile + 1, b, nb, db, mb);
+        const __m512 d16 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(da)),
+                                                               _mm256_castps_pd(db), 1));
+        const __m512 m16 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(ma)),
+                                                               _mm256_castps_pd(mb), 1));
         for (int i = 0; i < MT; i++) {
             // the block's 32 activation bytes as 8 groups of 4, read in place (may_alias: an int8
             // buffer read as int32 is defined; each y[v] becomes a broadcast load, where a memcpy
@@ -618,8 +645,8 @@ float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, in
                 const uint8_t byte = blk[v * 32 + j * 4 + e];
                 isum += (byte & 0x0F) * y[4 * v + e] + (byte >> 4) * y[4 * (v + 4) + e];
             }
-        const float d = f16_to_f32(w.d[(tile * nb + b) * NR + j]);
-        const float m = w.m ? f16_to_f32(w.m[(tile * nb + b) * NR + j]) : -8.f * d;
+        float d, m;
+        tile_scale(w, tile, b, nb, j, d, m);
         acc += d * a.d[r * nb + b] * (float)isum + m * a.s[r * nb + b];
     }
     return acc;
@@ -768,11 +795,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, 
 extern "C" {
 
 // out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch buffers first.
-void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int bits,
-                        int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn,
-                        float* out) {
+void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
+                        const uint8_t* wsub, int bits, int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq,
+                        float* xd, float* xs, int32_t* xn, float* out) {
     quantize_rows(x, M, K, xq, xd, xs, xn, bits == 4 && !tiled && has_avx2());
-    const Weights w{wq, wd, wm, bits, tiled != 0};
+    const Weights w{wq, wd, wm, bits, tiled != 0, tiled && bits == 4 ? wsub : nullptr};
     const Acts a{xq, xd, xs, xn};
     matmul(w, a, M, N, K, out);
 }

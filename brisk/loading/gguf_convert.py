@@ -8,9 +8,11 @@ result appears atomically (temp dir, rename).
 
 Quantized weights stay quantized (`brisk.models.quant`'s int4/int8 blocks of 32): with the
 default `auto` mode Q4_0, Q4_1 and Q8_0 are repacked by slicing their bytes (exact), Q4_K
-maps onto int4 with a float16 scale and offset per 32 (exact up to rounding each block's
-`d * scale` to float16), and Q5_0/Q5_1/Q5_K/Q6_K, whose 5-6 bit values have no kernel, are
-requantized to int8 blocks from their dequantized values (a half int8 step of extra error).
+keeps its super-block scales (each row's float16 d/dmin per 256 and 6-bit sc/mn per 32; exact,
+4.625 bits a weight) in tiles (a weight whose rows do not fill tiles of 8 maps onto int4 with a
+float16 scale and offset per 32, exact up to rounding each block's `d * sc` to float16), and
+Q5_0/Q5_1/Q5_K/Q6_K, whose 5-6 bit values have no kernel, are requantized to int8 blocks from
+their dequantized values (a half int8 step of extra error).
 `none` dequantizes everything to float32; `int8`/`int4` requantize every weight matrix.
 Float matrices stored as F16 or BF16 (llama.cpp's `--outtype f16|bf16`) stay 16-bit in `auto`,
 bit for bit; the loader then keeps them so on CPU (`_auto_weights`), as for a bf16 safetensors
@@ -45,8 +47,8 @@ from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 7  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
-# 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled
+CONVERT_VERSION = 8  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
+# 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled; 8: Q4_K kept with its super-block scales
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -87,7 +89,7 @@ _PERMUTED = ("llama", "smollm3")
 
 # GGUF type -> the quantized format its weights keep under `--quantization auto`
 NATIVE_FORMATS = {
-    "Q4_0": QuantFormat(4, False), "Q4_1": QuantFormat(4, True), "Q4_K": QuantFormat(4, True),
+    "Q4_0": QuantFormat(4, False), "Q4_1": QuantFormat(4, True), "Q4_K": QuantFormat(4, True, superblocks=True),
     "Q8_0": QuantFormat(8, False), "Q5_0": QuantFormat(8, False), "Q5_1": QuantFormat(8, False),
     "Q5_K": QuantFormat(8, False), "Q6_K": QuantFormat(8, False),
 }
@@ -153,6 +155,20 @@ def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]
             "mins": (-(dmin * mn)).astype(np.float16).reshape(rows, cols // QK)}
 
 
+def _repack_q4_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q4_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: int4 blocks of 32,
+    each row's d and dmin per super-block (float16, as stored) and each block's 6-bit sc and mn
+    (uint8 [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_superblocks)."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, 2 + 2 + 12 + QK_K // 2)
+    supers = cols // QK_K
+    d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, supers)
+    dmin = blocks[:, 2:4].copy().view(np.float16).reshape(rows, supers)
+    sc, mn = _k_scales_mins(blocks[:, 4:16])  # [n, 8] each, exact small integers
+    q = _split_nibbles_64(blocks[:, 16:]).reshape(rows, cols)
+    sub = np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(rows, cols // QK, 2)
+    return {"qweight": pack_int4(torch.from_numpy(q)).numpy(), "scales": d, "mins": dmin, "subscales": sub}
+
+
 def _with_format(arrays: dict[str, np.ndarray], fmt: QuantFormat) -> dict[str, np.ndarray]:
     """int4 blocks without offsets given offsets (-8 * scale, exact in float16) when `fmt` has them."""
     if fmt.has_mins and "mins" not in arrays:
@@ -166,12 +182,15 @@ def stored_arrays(fmt: QuantFormat | None, float_type: str = "F32") -> list[tupl
     if fmt is None:
         return [("weight", float_type)]
     arrays = [("qweight", "U8" if fmt.bits == 4 else "I8"), ("scales", "F16")]
-    return arrays + ([("mins", "F16")] if fmt.has_mins else [])
+    return arrays + ([("mins", "F16")] if fmt.has_mins else []) + ([("subscales", "U8")] if fmt.superblocks else [])
 
 
 def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> tuple[int, ...]:
     if suffix == "weight":
         return (rows, cols)
+    if fmt.superblocks:  # always tiled (a weight that cannot be is stored without them)
+        return {"qweight": (rows // TILE_ROWS, cols // QK, 128), "subscales": (rows // TILE_ROWS, cols // QK, 16)}.get(
+            suffix, (rows // TILE_ROWS, cols // QK_K, TILE_ROWS))
     if fmt.tiled:
         return (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits] if suffix == "qweight" else TILE_ROWS)
     if suffix == "qweight":
@@ -258,6 +277,8 @@ class _Tensors:
                 (fmt.has_mins or not NATIVE_FORMATS[qtype].has_mins):
             arrays = _with_format(_repack_legacy(raw, rows, cols, qtype), fmt)
         elif qtype == "Q4_K" and fmt == NATIVE_FORMATS[qtype]:
+            arrays = _repack_q4_k_super(raw, rows, cols)
+        elif qtype == "Q4_K" and fmt == replace(NATIVE_FORMATS[qtype], superblocks=False):
             arrays = _repack_q4_k(raw, rows, cols)
         else:  # requantize from the float values
             method = "int4" if fmt.bits == 4 else "int8"
@@ -279,7 +300,11 @@ class _Group:
         self.float_type = kept.pop() if fmt is None and len(kept) == 1 else "F32"  # fused parts share one type
         shapes = [tensors.shape(p) for p in parts]
         self.shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-        self.fmt = replace(fmt, tiled=True) if tileable(hf_name, fmt, self.shape[0]) else fmt
+        if tileable(hf_name, fmt, self.shape[0]):
+            fmt = replace(fmt, tiled=True)
+        elif fmt is not None and fmt.superblocks:  # super-block scales live in tiles only
+            fmt = replace(fmt, superblocks=False)
+        self.fmt = fmt
         self._arrays: dict[str, np.ndarray] | None = None
 
     def take(self, suffix: str) -> np.ndarray:

@@ -62,10 +62,35 @@ def _small_tokenizer(writer, vocab: int) -> int:
     return vocab
 
 
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> GGUF Q4_K blocks [rows, cols / 256 * 144] (uint8),
+    for random-weight test models (the `gguf` package has no Q4_K quantizer; llama.cpp's picks scales
+    by search, this one by each block's range). Per super-block of 256: float16 d and dmin, then 8
+    6-bit scales and mins packed in 12 bytes, then 128 bytes of 4-bit values, sub-blocks 2j and 2j+1 in
+    the low and high nibbles of bytes 32j..32j+31; w = d * sc * q - dmin * mn."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, sub-blocks, 32]
+    lo = np.minimum(x.min(-1), 0.0)
+    scale, offset = (x.max(-1) - lo) / 15, -lo  # per sub-block, >= 0
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (offset.max(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step, shift = (df * sc)[..., None], (dminf * mn)[..., None]
+    q = np.clip(np.round(np.divide(x + shift, step, out=np.zeros_like(x), where=step > 0)), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                                    (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales, qs],
+                            axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
 def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
                       tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
     """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
-    Q8_0, F32; what `gguf.quants.quantize` writes), norms in F32. The tokenizer is copied from
+    Q8_0, F32: what `gguf.quants.quantize` writes; or Q4_K, `quantize_q4_k`), norms in F32. The tokenizer is copied from
     `tokenizer_from`, or (None) a `small_vocab`-token one."""
     import gguf
     from gguf.quants import quantize
@@ -104,6 +129,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
         values = (rng.standard_normal(dims, dtype=np.float32) * 0.02)
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, values)
+        elif qtype == gguf.GGMLQuantizationType.Q4_K:
+            writer.add_tensor(name, quantize_q4_k(values), raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
     for name in norms:

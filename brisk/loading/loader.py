@@ -179,9 +179,9 @@ def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str,
 
 def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
     for base in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
-        qweight, scales, mins = (tensors.pop(f"{base}.{s}", None) for s in quant.QUANT_SUFFIXES)
+        qweight, scales, mins, subscales = (tensors.pop(f"{base}.{s}", None) for s in quant.QUANT_SUFFIXES)
         bits = 16 if qweight.dtype in quant.HALF_NAMES else 4 if qweight.dtype == torch.uint8 else 8
-        tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits)
+        tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits, subscales=subscales)
 
 
 def _check_memory(source: Path, model_dir: Path, quantization: str, max_model_len: int | None,

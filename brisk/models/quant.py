@@ -28,7 +28,7 @@ from brisk import kernels
 from brisk.errors import BriskError
 from brisk.kernels import QK
 
-QUANT_SUFFIXES = ("qweight", "scales", "mins")
+QUANT_SUFFIXES = ("qweight", "scales", "mins", "subscales")
 
 
 HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weights kept as stored
@@ -44,17 +44,23 @@ class QuantFormat:
     # (looked up by row) in the row layout
     tiled: bool = False
     half: torch.dtype | None = None  # bits 16: torch.bfloat16 or torch.float16
+    # int4 with super-block scales (GGUF Q4_K kept as stored, tiled only): `scales`/`mins` hold each
+    # row's float16 d and dmin per 256 weights, `subscales` each block's 6-bit sc and mn (uint8):
+    # scale = d * sc, offset = -(dmin * mn) (brisk.kernels.tile_superblocks)
+    superblocks: bool = False
 
     @property
     def name(self) -> str:
         if self.bits == 16:
             return HALF_NAMES[self.half]
-        return f"int{self.bits}" + ("+min" if self.has_mins else "")
+        return f"int{self.bits}" + ("+min" if self.has_mins else "") + ("/k" if self.superblocks else "")
 
     @property
     def bits_per_weight(self) -> float:
         if self.bits == 16:
             return 16.0
+        if self.superblocks:  # two 8-bit sub-scales per 32 weights, two float16 per 256
+            return self.bits + 16 / QK + 32 / (QK * kernels.SUPER)
         return self.bits + 16 * (2 if self.has_mins else 1) / QK
 
     @classmethod
@@ -64,7 +70,8 @@ class QuantFormat:
             return None
         if qweight.dtype in HALF_NAMES:  # 3-D: packed in panels of 16 rows (brisk.kernels.pack_half)
             return cls(16, False, qweight.dim() == 3, qweight.dtype)
-        return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors, qweight.dim() == 3)
+        return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors, qweight.dim() == 3,
+                   superblocks=f"{prefix}.subscales" in tensors)
 
 
 class _Blocks(nn.Module):
@@ -76,13 +83,21 @@ class _Blocks(nn.Module):
         if fmt.bits == 16:  # 16-bit floats: rows as stored, or in panels of 16 rows; no scales
             shape = (rows // kernels.HALF_PANEL, cols, kernels.HALF_PANEL) if fmt.tiled else (rows, cols)
             self.register_buffer("qweight", torch.empty(shape, dtype=fmt.half))
-            self.scales = self.mins = None
+            self.scales = self.mins = self.subscales = None
             return
         if cols % QK:
             raise BriskError(f"a {rows}x{cols} weight cannot be quantized in blocks of {QK}: "
                              f"its {cols} input features are not a multiple of {QK}; use --quantization none")
         self.fmt = fmt
-        if fmt.tiled:
+        if not fmt.superblocks:
+            self.subscales = None
+        if fmt.superblocks:
+            if not fmt.tiled or cols % (QK * kernels.SUPER):
+                raise BriskError(f"a {rows}x{cols} weight cannot take super-block scales; convert the model again")
+            tiles, nb = rows // kernels.TILE_ROWS, cols // QK
+            qshape, sshape = (tiles, nb, 128), (tiles, nb // kernels.SUPER, kernels.TILE_ROWS)
+            self.register_buffer("subscales", torch.empty((tiles, nb, 2 * kernels.TILE_ROWS), dtype=torch.uint8))
+        elif fmt.tiled:
             tiles, nb = rows // kernels.TILE_ROWS, cols // QK
             qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb, kernels.TILE_ROWS)
         else:
@@ -95,7 +110,7 @@ class _Blocks(nn.Module):
             self.mins = None
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return kernels.dequantize(self.qweight, self.scales, self.mins, self.fmt.bits, dtype)
+        return kernels.dequantize(self.qweight, self.scales, self.mins, self.fmt.bits, dtype, self.subscales)
 
 
 class QuantLinear(_Blocks):
@@ -113,7 +128,7 @@ class QuantLinear(_Blocks):
         if self.fmt.bits == 16:
             out = kernels.half_matmul(flat, self.qweight, self.out_features)
         else:
-            out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.bits)
+            out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.bits, self.subscales)
         if self.bias is not None:
             out += self.bias
         if x.dim() != 2:
@@ -139,7 +154,10 @@ class QuantEmbedding(_Blocks):
         tiles = flat // kernels.TILE_ROWS
         picked = torch.arange(flat.numel(), device=flat.device) * kernels.TILE_ROWS + flat % kernels.TILE_ROWS
         untile = kernels.untile_int4 if self.fmt.bits == 4 else kernels.untile_int8
-        rows = untile(self.qweight[tiles], self.scales[tiles], None if self.mins is None else self.mins[tiles])
+        scales, mins = self.scales[tiles], None if self.mins is None else self.mins[tiles]
+        if self.subscales is not None:
+            scales, mins = kernels.superblock_scales(scales, mins, self.subscales[tiles])
+        rows = untile(self.qweight[tiles], scales, mins)
         q, scales, mins = (None if t is None else t[picked] for t in rows)
         values = kernels.dequantize(q, scales, mins, self.fmt.bits, self.dtype)
         return values.view(*ids.shape, self.embedding_dim)
@@ -213,6 +231,10 @@ def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     weights -> panels."""
     if blocks["qweight"].dtype in HALF_NAMES:
         return {"qweight": kernels.pack_half(blocks["qweight"])}
+    if "subscales" in blocks:
+        qweight = kernels.tile_int4(blocks["qweight"], None, None)[0]
+        scales, mins, sub = kernels.tile_superblocks(blocks["scales"], blocks["mins"], blocks["subscales"])
+        return {"qweight": qweight, "scales": scales, "mins": mins, "subscales": sub}
     tile_blocks = kernels.tile_int4 if blocks["qweight"].dtype == torch.uint8 else kernels.tile_int8
     qweight, scales, mins = tile_blocks(blocks["qweight"], blocks["scales"], blocks.get("mins"))
     return {"qweight": qweight, "scales": scales, **({"mins": mins} if mins is not None else {})}
