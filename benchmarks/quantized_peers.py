@@ -1,9 +1,10 @@
 """brisk vs llama.cpp's native `llama-server` on quantized GGUF models, same machine, same client.
 
 Writes a TinyLlama-shaped (hidden 2048, 22 layers, FFN 5632, 32/4 heads; 1.1B parameters with
-the demo tokenizer's 49k vocabulary) random-weight GGUF in each requested type with the demo
-model's tokenizer (`brisk.loading.gguf_random`), and also serves the demo model's own Q4_1
-GGUF. For each model and server: process start -> first 1-token chat completion (brisk twice:
+the demo tokenizer's 49k vocabulary; `--shape mistral7b`: hidden 4096, 32 layers, FFN 14336, 32/8
+heads) random-weight GGUF in each requested type with the demo model's tokenizer
+(`brisk.loading.gguf_random`; K-quant types such as Q4_K_M by llama.cpp's `llama-quantize` from
+the shape's Q8_0 file), and also serves the demo model's own Q4_1 GGUF. For each model and server: process start -> first 1-token chat completion (brisk twice:
 the first start converts the GGUF into the cache, the second is the warm-cache start users
 see), resident memory (VmRSS after the runs and VmHWM, the peak), and the same `brisk bench`
 streaming workload at 1/16/64 concurrent streams (short chat prompts, 64-token replies,
@@ -21,8 +22,8 @@ llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
         -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2
 
     .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
-        [--work DIR] [--types Q4_0,Q8_0,BF16,demo] [--systems brisk,brisk-gguf,brisk-f32,llama-server] [--concurrency 1,16,64]
-        [--long-prompt 1000]
+        [--work DIR] [--types Q4_0,Q8_0,BF16,Q4_K_M,demo] [--systems brisk,brisk-gguf,brisk-f32,llama-server]
+        [--concurrency 1,16,64] [--long-prompt 1000] [--shape tinyllama|mistral7b] [--llama-quantize PATH]
 """
 
 from __future__ import annotations
@@ -43,18 +44,31 @@ MODEL_ID = "bench-model"
 SLOT_CONTEXT = 256  # tokens per llama-server slot: a 12-token prompt in the chat template + 64 replies
 
 
-def model_path(kind: str, work: Path) -> Path:
-    from brisk.loading.gguf_random import TINYLLAMA, write_random_gguf
+# types llama.cpp's own quantizer writes (the `gguf` package cannot): made from the shape's Q8_0 file
+# with `llama-quantize --allow-requantize` (--llama-quantize PATH)
+LLAMA_QUANTIZE_TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
+
+
+def model_path(kind: str, work: Path, shape: str = "tinyllama", llama_quantize: str | None = None) -> Path:
+    from brisk.loading.gguf_random import SHAPES, write_random_gguf
     from brisk.models.registry import resolve
 
     demo = resolve("smollm2-135m-instruct").path
     if kind == "demo":
         return demo
-    path = work / f"tinyllama-shape-{kind}.gguf"
-    if not path.exists():
-        tmp = path.with_suffix(".tmp")
-        write_random_gguf(tmp, TINYLLAMA, kind, demo)
-        tmp.rename(path)
+    path = work / f"{shape}-shape-{kind}.gguf"
+    if path.exists():
+        return path
+    tmp = path.with_suffix(".tmp")
+    if kind in LLAMA_QUANTIZE_TYPES:
+        if not llama_quantize:
+            raise SystemExit(f"{kind} is written by llama.cpp's quantizer: pass --llama-quantize PATH")
+        source = model_path("Q8_0", work, shape, llama_quantize)
+        subprocess.run([llama_quantize, "--allow-requantize", str(source), str(tmp), kind, str(os.cpu_count() or 2)],
+                       check=True, capture_output=True)
+    else:
+        write_random_gguf(tmp, SHAPES[shape], kind, demo)
+    tmp.rename(path)
     return path
 
 
@@ -127,7 +141,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_one(system: str, kind: str, args) -> str:
-    gguf = model_path(kind, args.work)
+    gguf = model_path(kind, args.work, args.shape, args.llama_quantize)
     levels = [int(c) for c in args.concurrency.split(",")]
     log = args.work / f"{system}-{kind}.log"
     first_start = ""
@@ -174,6 +188,10 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--long-prompt", type=int, default=0,
                         help="also time the first token of a prompt of this many tokens, alone (prefill)")
+    parser.add_argument("--shape", default="tinyllama", choices=["tinyllama", "mistral7b"],
+                        help="random-weight model shape (brisk.loading.gguf_random.SHAPES)")
+    parser.add_argument("--llama-quantize", default=None,
+                        help="path of llama.cpp's llama-quantize, for the K-quant types (Q4_K_M, ...)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     systems = args.systems.split(",")

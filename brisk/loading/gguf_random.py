@@ -30,6 +30,8 @@ class Shape:
 
 
 TINYLLAMA = Shape(hidden=2048, layers=22, ffn=5632, heads=32, kv_heads=4)
+MISTRAL_7B = Shape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8)
+SHAPES = {"tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B}
 
 
 def _copy_tokenizer(writer, source_gguf: Path) -> int:
