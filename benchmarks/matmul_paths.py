@@ -1,7 +1,7 @@
 """Per-shape matmul paths for one decoder step's linears: torch `F.linear`, numpy (OpenBLAS),
 oneDNN with float32 weights packed once (`brisk.models.linear`), and brisk's quantized kernels
-(`brisk.kernels`: int4 and int8 blocks of 32, int8 activation blocks; int4 in the row layout
-and in the tiled layout brisk's conversion stores linears in), plus the quantized
+(`brisk.kernels`: int4 and int8 blocks of 32, int8 activation blocks; int4 and int8 in the row
+layout and in the tiled layouts brisk's conversion stores linears in), plus the quantized
 weights dequantized to float32 per call and run through `F.linear` (the alternative for large
 row counts).
 
@@ -44,13 +44,14 @@ def main():
     int4 = [quantize_int4(w) for w in weights]
     int8 = [quantize_int8(w) for w in weights]
     int4_tiled = [tile(q) if q["qweight"].shape[0] % kernels.TILE_ROWS == 0 else q for q in int4]
+    int8_tiled = [tile(q) if q["qweight"].shape[0] % kernels.TILE_ROWS == 0 else q for q in int8]
     nbytes = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of fp32 weights "
           f"({sum(q['qweight'].numel() for q in int4) / 1e6 * 1.25:.0f} MB as int4), torch threads "
           f"{torch.get_num_threads()}, kernels {kernels.isa()}")
-    print("| rows | F.linear ms | numpy ms | oneDNN packed fp32 ms | int8 kernel ms | int4 kernel ms "
-          "| int4 tiled kernel ms | int4 dequantized + F.linear ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rows | F.linear ms | numpy ms | oneDNN packed fp32 ms | int8 kernel ms | int8 tiled kernel ms "
+          "| int4 kernel ms | int4 tiled kernel ms | int4 dequantized + F.linear ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def quant(xs, blocks, bits):
         return [kernels.quant_matmul(xs[w.shape[1]], q["qweight"], q["scales"], q.get("mins"), bits)
@@ -69,6 +70,7 @@ def main():
                      bench(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                           for w, p in zip(weights, packed)], runs),
                      bench(lambda xs=xs: quant(xs, int8, 8), runs),
+                     bench(lambda xs=xs: quant(xs, int8_tiled, 8), runs),
                      bench(lambda xs=xs: quant(xs, int4, 4), runs),
                      bench(lambda xs=xs: quant(xs, int4_tiled, 4), runs),
                      bench(lambda xs=xs: dequant_linear(xs), runs)]

@@ -88,22 +88,20 @@ class _Blocks(nn.Module):
         if cols % QK:
             raise BriskError(f"a {rows}x{cols} weight cannot be quantized in blocks of {QK}: "
                              f"its {cols} input features are not a multiple of {QK}; use --quantization none")
-        self.fmt = fmt
-        if not fmt.superblocks:
-            self.subscales = None
+        tiles, nb = rows // kernels.TILE_ROWS, cols // QK
         if fmt.superblocks:
             if not fmt.tiled or cols % (QK * kernels.SUPER):
                 raise BriskError(f"a {rows}x{cols} weight cannot take super-block scales; convert the model again")
-            tiles, nb = rows // kernels.TILE_ROWS, cols // QK
             qshape, sshape = (tiles, nb, 128), (tiles, nb // kernels.SUPER, kernels.TILE_ROWS)
             self.register_buffer("subscales", torch.empty((tiles, nb, 2 * kernels.TILE_ROWS), dtype=torch.uint8))
         elif fmt.tiled:
-            tiles, nb = rows // kernels.TILE_ROWS, cols // QK
             qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb, kernels.TILE_ROWS)
         else:
             qshape, sshape = ((rows, cols // 2) if fmt.bits == 4 else (rows, cols)), (rows, cols // QK)
         self.register_buffer("qweight", torch.empty(qshape, dtype=torch.uint8 if fmt.bits == 4 else torch.int8))
         self.register_buffer("scales", torch.empty(sshape, dtype=torch.float16))
+        if not fmt.superblocks:
+            self.subscales = None
         if fmt.has_mins:
             self.register_buffer("mins", torch.empty(sshape, dtype=torch.float16))
         else:
