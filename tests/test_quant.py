@@ -370,7 +370,8 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
     # linears and the embedding (a tied head multiplies by it) are stored tiled, the kernel's fast layout
     assert qkv.fmt.tiled and qkv.qweight.dim() == 3
     assert loaded.model.model.embed_tokens.fmt.tiled and loaded.model.lm_head.fmt.tiled
-    assert qkv.fmt.superblocks == (_reader(random_gguf).tensors[2].tensor_type == QT.Q4_K)  # Q4_K kept as stored
+    q_type = next(t.tensor_type for t in _reader(random_gguf).tensors if t.name == "blk.1.attn_q.weight")
+    assert qkv.fmt.superblocks == (q_type == QT.Q4_K)  # Q4_K kept as stored
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
     head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
     assert torch.equal(loaded.model.lm_head.dequantized(), _gguf_float(random_gguf, head_name))

@@ -531,42 +531,7 @@ void tile8_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64
     for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
 }
 
-// One tile (8 rows) with VNNI in a ymm: the last tile of an odd count.
-template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-void tile8_rows_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
-    const int64_t nb = K / QK;
-    const uint8_t* wt = w.q + tile * nb * 256;
-    const uint16_t* dt = w.d + tile * nb * NR;
-    const uint16_t* mt = w.m ? w.m + tile * nb * NR : nullptr;
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i u[8];
-        for (int v = 0; v < 8; v++) u[v] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wt + b * 256 + v * 32)), flip);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dt + b * NR)));
-        for (int i = 0; i < MT; i++) {
-            typedef int32_t __attribute__((may_alias)) group_t;
-            const group_t* y = reinterpret_cast<const group_t*>(a.q + (r0 + i) * K + b * QK);
-            __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(y[0]));
-            __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[1], _mm256_set1_epi32(y[1]));
-            for (int v = 2; v < 8; v += 2) {
-                s0 = _mm256_dpbusd_epi32(s0, u[v], _mm256_set1_epi32(y[v]));
-                s1 = _mm256_dpbusd_epi32(s1, u[v + 1], _mm256_set1_epi32(y[v + 1]));
-            }
-            const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * a.n[(r0 + i) * nb + b]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
-                                     acc[i]);
-            if (mt)
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mt + b * NR))),
-                                         _mm256_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
-        }
-    }
-    for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
-}
-
-// Two tiles (16 rows) with VNNI in a zmm.
+// Two tiles (16 rows) with VNNI in a zmm. (The last tile of an odd count takes tile8_rows: the same bits.)
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 void tile8_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
@@ -698,8 +663,8 @@ void matmul_tiled8(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_
                 for (; r + 4 <= M; r += 4) tile8_pair_vnni<4>(w, t, a, r, K, out, N);
                 for (; r < M; r++) tile8_pair_vnni<1>(w, t, a, r, K, out, N);
             } else {
-                for (; r + 4 <= M; r += 4) tile8_rows_vnni<4>(w, t, a, r, K, out, N);
-                for (; r < M; r++) tile8_rows_vnni<1>(w, t, a, r, K, out, N);
+                for (; r + 4 <= M; r += 4) tile8_rows<4>(w, t, a, r, K, out, N);
+                for (; r < M; r++) tile8_rows<1>(w, t, a, r, K, out, N);
             }
         }
         return;
