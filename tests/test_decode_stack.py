@@ -15,6 +15,7 @@ from brisk.engine.decode_stack import DecodeStack
 from brisk.engine.engine import LLMEngine
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import SchedulerConfig
+from brisk.loading.gguf_random import Shape, write_random_gguf
 from brisk.loading.loader import load
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="compiled kernels not built")
@@ -103,6 +104,19 @@ def test_bf16_checkpoint_weights_kept_16_bit_are_bit_identical(tmp_path_factory,
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (20, 3, 33)]
     _compare(loaded, prompts, SamplingParams(max_tokens=3 * WINDOW, temperature=0, ignore_eos=True, logprobs=0),
+             block_size=4, max_tokens_per_step=8)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quants_kept_as_stored_are_bit_identical(qtype, tmp_path_factory, brisk_cache):
+    """GGUF K-quants in their own tiles (int4 and int6 with super-block scales) through the stack."""
+    path = write_random_gguf(tmp_path_factory.mktemp("kq") / f"small-{qtype}.gguf",
+                             Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128), qtype, None)
+    loaded = load(str(path), max_model_len=128, warmup=False)
+    assert loaded.report.weight_formats["qkv_proj"] == {"Q4_K": "int4+min/k", "Q6_K": "int6/k"}[qtype]
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 2, 17)]
+    _compare(loaded, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0),
              block_size=4, max_tokens_per_step=8)
 
 

@@ -10,8 +10,9 @@ Tolerances, and why:
   error of at most half a step (d_x / 2) per element, so |y - y_float| <= sum_j |w_j| d_x(j) / 2,
   checked per output element (plus 1e-5 for float rounding).
 - repacked GGUF weights vs `gguf.quants.dequantize`: bit for bit for Q4_0/Q4_1/Q8_0 (bytes are
-  sliced, not recomputed); Q4_K within the float16 rounding of each block's scale and offset;
-  Q5/Q6 types requantized to int8 within half an int8 step of the block.
+  sliced, not recomputed); Q4_K and Q6_K kept as stored bit for bit too (and Q4_K, where its rows
+  do not fill tiles, within the float16 rounding of each block's scale and offset); Q5 types (and
+  Q6_K that cannot be tiled) requantized to int8 within half an int8 step of the block.
 """
 
 import functools
@@ -244,54 +245,79 @@ def test_legacy_types_repack_bit_for_bit(qtype, demo_gguf_path):
     np.testing.assert_array_equal(ours.numpy(), gguf_dequantize(raw, QT[qtype]))
 
 
-def _q4_k_super(rows, cols, seed):
-    """Random Q4_K weights [rows, cols], and brisk's tiled arrays of them (super-block scales kept)."""
-    raw = _random_blocks("Q4_K", rows * cols // 256, np.random.default_rng(seed)).reshape(rows, -1)
-    arrays = {k: torch.from_numpy(v) for k, v in gguf_convert._repack_q4_k_super(raw, rows, cols).items()}
-    tiled = tile(arrays)
-    return raw, (tiled["qweight"], tiled["scales"], tiled["mins"]), tiled["subscales"]
+K_QUANTS = {"Q4_K": (4, 4.625), "Q6_K": (6, 6.5625)}  # GGUF type kept as stored -> (bits, bits a weight)
 
 
-def test_q4_k_kept_with_super_block_scales_repacks_bit_for_bit():
+def _k_super(qtype, rows, cols, seed):
+    """Random GGUF K-quant weights [rows, cols], and brisk's tiled arrays of them (kept as stored):
+    (raw blocks, (qweight, scales, mins or None), subscales)."""
+    raw = _random_blocks(qtype, rows * cols // 256, np.random.default_rng(seed)).reshape(rows, -1)
+    repack = {"Q4_K": gguf_convert._repack_q4_k_super, "Q6_K": gguf_convert._repack_q6_k_super}[qtype]
+    tiled = tile({k: torch.from_numpy(v) for k, v in repack(raw, rows, cols).items()})
+    return raw, (tiled["qweight"], tiled["scales"], tiled.get("mins")), tiled["subscales"]
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS))
+def test_k_quants_kept_as_stored_repack_bit_for_bit(qtype):
     rows, cols = 16, 768  # 2 tiles, 3 super-blocks
-    raw, (qweight, supers, super_mins), sub = _q4_k_super(rows, cols, seed=7)
-    assert qweight.shape == (2, 24, 128) and supers.shape == (2, 3, 8) and sub.shape == (2, 24, 16)
-    ours = kernels.dequantize(qweight, supers, super_mins, 4, subscales=sub).numpy()
-    np.testing.assert_array_equal(ours, gguf_dequantize(raw, QT.Q4_K).reshape(rows, cols))
-    bytes_per_weight = sum(t.numel() * t.element_size() for t in (qweight, supers, super_mins, sub)) / (rows * cols)
-    assert bytes_per_weight * 8 == QuantFormat(4, True, True, superblocks=True).bits_per_weight == 4.625
+    bits, bits_per_weight = K_QUANTS[qtype]
+    raw, (qweight, supers, super_mins), sub = _k_super(qtype, rows, cols, seed=7)
+    assert qweight.shape == (2, 24, kernels.TILE_BYTES[bits]) and supers.shape == (2, 3, 8) and sub.shape == (2, 24, 16)
+    ours = kernels.dequantize(qweight, supers, super_mins, bits, subscales=sub).numpy()
+    np.testing.assert_array_equal(ours, gguf_dequantize(raw, QT[qtype]).reshape(rows, cols))
+    stored = [t for t in (qweight, supers, super_mins, sub) if t is not None]
+    bytes_per_weight = sum(t.numel() * t.element_size() for t in stored) / (rows * cols)
+    fmt = QuantFormat(bits, super_mins is not None, True, superblocks=True)
+    assert bytes_per_weight * 8 == fmt.bits_per_weight == bits_per_weight
+    assert QuantFormat.of({"w.qweight": qweight, "w.scales": supers, "w.subscales": sub,
+                           **({"w.mins": super_mins} if super_mins is not None else {})}, "w") == fmt
+    # against the file's own bytes per weight: Q6_K's 210 per 256 exactly; Q4_K's 144 per 256 plus its
+    # 6-bit sc/mn widened to bytes
+    file_bits = gguf.GGML_QUANT_SIZES[QT[qtype]][1] * 8 / 256
+    assert file_bits == {"Q4_K": bits_per_weight - 0.125, "Q6_K": bits_per_weight}[qtype]
 
 
+def test_int6_tiling_moves_bytes_not_values():
+    q = torch.randint(0, 64, (24, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    tiled = kernels.tile_int6(q)
+    assert tiled.shape == (3, 3, 192)
+    assert torch.equal(kernels.untile_int6(tiled), q)
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS))
 @pytest.mark.parametrize("k", [256, 1024])
-def test_q4_k_kernel_computes_gguf_weights_on_every_path(isa, k):
-    """The kernel on Q4_K kept as stored, against float64 math on gguf's own dequantization, at every
+def test_k_quant_kernel_computes_gguf_weights_on_every_path(isa, qtype, k):
+    """The kernel on K-quants kept as stored, against float64 math on gguf's own dequantization, at every
     row count; 40 rows = 5 tiles (VNNI: two pairs and a tile alone)."""
-    raw, tiled, sub = _q4_k_super(40, k, seed=11)
-    w = torch.from_numpy(gguf_dequantize(raw, QT.Q4_K).reshape(40, k)).double()
+    raw, tiled, sub = _k_super(qtype, 40, k, seed=11)
+    w = torch.from_numpy(gguf_dequantize(raw, QT[qtype]).reshape(40, k)).double()
     for rows in (1, 3, 4, 8, 9, 17):
         x = torch.randn(rows, k) * 3
-        out = kernels.quant_matmul(x, *tiled, 4, subscales=sub)
+        out = kernels.quant_matmul(x, *tiled, K_QUANTS[qtype][0], subscales=sub)
         q, d = kernels.quantize_activations(x)
         ref = ((q.view(rows, k // 32, 32).double() * d.double()[..., None]).view(rows, k) @ w.T).float()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-def test_q4_k_paths_agree_bit_for_bit_alone_or_batched():
+@pytest.mark.parametrize("qtype", list(K_QUANTS))
+def test_k_quant_paths_agree_bit_for_bit_alone_or_batched(qtype):
     lib = kernels.library()
     if kernels.isa() != "avx512vnni":
         pytest.skip("this CPU has no AVX-512 VNNI")
-    _, tiled, sub = _q4_k_super(72, 1024, seed=5)
+    bits = K_QUANTS[qtype][0]
+    _, tiled, sub = _k_super(qtype, 72, 1024, seed=5)
     x = torch.randn(19, 1024) * 2
+    x[3] = 127.0  # every activation at the int8 extreme (the int6 zero point's largest correction)
     try:
         results = []
-        for path in (3, 2):
+        for path in (3, 2, 0):
             lib.brisk_kernels_force_isa(path)
-            together = kernels.quant_matmul(x, *tiled, 4, subscales=sub)
-            for r in (0, 4, 18):
-                assert torch.equal(kernels.quant_matmul(x[r:r + 1].contiguous(), *tiled, 4, subscales=sub)[0],
+            together = kernels.quant_matmul(x, *tiled, bits, subscales=sub)
+            for r in (0, 3, 4, 18):
+                assert torch.equal(kernels.quant_matmul(x[r:r + 1].contiguous(), *tiled, bits, subscales=sub)[0],
                                    together[r])
             results.append(together)
-        assert torch.equal(results[0], results[1])
+        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     finally:
         lib.brisk_kernels_force_isa(-1)
 
@@ -311,7 +337,7 @@ def test_q4_k_maps_onto_int4_blocks_within_float16_scale_rounding():
     assert np.all(np.abs(ours - expected) <= (15 * scale + offset) * 2.0 ** -11 * 1.01 + 1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])  # Q6_K: where its rows do not fill tiles
 def test_five_and_six_bit_types_become_int8_within_half_a_step(qtype):
     rng = np.random.default_rng(3)
     rows, cols = 4, 256
@@ -328,14 +354,14 @@ def test_five_and_six_bit_types_become_int8_within_half_a_step(qtype):
 SMALL = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, context=128)
 
 
-# Q4_K's super-blocks need rows of whole 256s (same heads, so the Q/K permutation is SMALL's)
+# K-quants' super-blocks need rows of whole 256s (same heads, so the Q/K permutation is SMALL's)
 SMALL_K = Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128)
 
 
-@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def random_gguf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / f"small-{request.param}.gguf"
-    shape = SMALL_K if request.param == "Q4_K" else SMALL
+    shape = SMALL_K if request.param in K_QUANTS else SMALL
     return write_random_gguf(path, shape, request.param, None, tied_embeddings=request.param in ("Q8_0", "Q4_K"))
 
 
@@ -371,7 +397,8 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
     assert qkv.fmt.tiled and qkv.qweight.dim() == 3
     assert loaded.model.model.embed_tokens.fmt.tiled and loaded.model.lm_head.fmt.tiled
     q_type = next(t.tensor_type for t in _reader(random_gguf).tensors if t.name == "blk.1.attn_q.weight")
-    assert qkv.fmt.superblocks == (q_type == QT.Q4_K)  # Q4_K kept as stored
+    assert qkv.fmt.superblocks == (q_type.name in K_QUANTS)  # K-quants kept as stored
+    assert qkv.fmt.bits == {QT.Q6_K: 6, QT.Q8_0: 8}.get(q_type, 4)
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
     head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
     assert torch.equal(loaded.model.lm_head.dequantized(), _gguf_float(random_gguf, head_name))

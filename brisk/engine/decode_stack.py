@@ -117,7 +117,7 @@ class DecodeStack:
         xq = torch.empty(rows * self._max_k, dtype=torch.int8)
         xd = torch.empty(rows * self._max_k // kernels.QK, dtype=torch.float32)
         xs = torch.empty_like(xd)
-        xn = torch.empty(xd.shape, dtype=torch.int32)
+        xn = torch.empty(2 * xd.numel(), dtype=torch.int32)  # block sums, then first-half sums
         scratch = abi.Scratch(*(b.data_ptr() for b in buffers.values()), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(),
                               xn.data_ptr())
         tables = meta.decode_tables.to(torch.int32).contiguous()

@@ -33,7 +33,7 @@ log = logging.getLogger("brisk.kernels")
 
 QK = 32  # weights per quantization block
 TILE_ROWS = 8  # weight rows per tile of the tiled int4 and int8 layouts
-TILE_BYTES = {4: 128, 8: 256}  # bytes per tile and block of 32 weights
+TILE_BYTES = {4: 128, 6: 192, 8: 256}  # bytes per tile and block of 32 weights
 PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
 _lib: ctypes.CDLL | None = None
@@ -217,18 +217,26 @@ _scratch_local = threading.local()
 
 def _scratch(m: int, k: int) -> tuple[int, int, int, int]:
     """Addresses of this thread's activation buffers for m x k (int8 values; per block a scale, the
-    scaled sum and the integer sum), grown as needed and reused: a decode step makes ~100 matmul calls."""
+    scaled sum, the integer sum and that of its first 16), grown as needed and reused: a decode step
+    makes ~100 matmul calls."""
     have = getattr(_scratch_local, "buffers", None)
     if have is None or have[0].numel() < m * k:
         size = max(m * k, 2 * (have[0].numel() if have is not None else 0))
         have = (torch.empty(size, dtype=torch.int8), torch.empty(size // QK, dtype=torch.float32),
-                torch.empty(size // QK, dtype=torch.float32), torch.empty(size // QK, dtype=torch.int32))
+                torch.empty(size // QK, dtype=torch.float32), torch.empty(2 * size // QK, dtype=torch.int32))
         _scratch_local.buffers = have
         _scratch_local.addresses = tuple(t.data_ptr() for t in have)
     return _scratch_local.addresses
 
 
 # ------------------------------------------------------------------ torch reference (the oracle)
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values in [0, 15] -> [N, K/2] uint8: byte j of a block = q[j] | q[j + 16] << 4 (GGUF's order)."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // QK, 2, QK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """[N, K/2] uint8 in GGUF nibble order -> [N, K] values in [0, 15] (uint8)."""
@@ -291,12 +299,13 @@ def untile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
 SUPER = 8  # blocks of 32 per super-block of 256 weights (GGUF's K-quants)
 
 
-def tile_superblocks(supers: torch.Tensor, super_mins: torch.Tensor, subscales: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scales of int4 with super-block scales (GGUF Q4_K kept as stored), row layout -> tiled
-    (quant_matmul.cpp, `tile_scales`): `supers`/`super_mins` float16 [N, K/256] (d, dmin) -> [N/8, K/256, 8];
-    `subscales` uint8 [N, K/32, 2] (6-bit sc, mn) -> [N/8, K/32, 16] (the tile's 8 sc, then its 8 mn).
-    The weights are tiled as `tile_int4`'s."""
+def tile_superblocks(supers: torch.Tensor, super_mins: torch.Tensor | None, subscales: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The scales of K-quants kept as stored, row layout -> tiled: `supers`/`super_mins` float16 [N, K/256]
+    (d, dmin) -> [N/8, K/256, 8]; `subscales` [N, K/32, 2] -> [N/8, K/32, 16] (the tile's 8 rows' first,
+    then their second). GGUF Q4_K (quant_matmul.cpp, `tile_scales`): uint8 6-bit sc and mn per block of
+    32, the weights tiled as `tile_int4`'s; Q6_K (no mins): int8 sc of each block's two 16s, the weights
+    as `tile_int6`'s."""
     n, nb, _ = subscales.shape
     sub = subscales.view(n // TILE_ROWS, TILE_ROWS, nb, 2).permute(0, 2, 3, 1).reshape(n // TILE_ROWS, nb, 16)
     return _tile_side(supers, n, nb // SUPER), _tile_side(super_mins, n, nb // SUPER), sub.contiguous()
@@ -311,6 +320,49 @@ def superblock_scales(supers: torch.Tensor, super_mins: torch.Tensor, subscales:
     d = supers.float().repeat_interleave(SUPER, dim=1)
     dmin = super_mins.float().repeat_interleave(SUPER, dim=1)
     return d * sub[:, :, 0], -(dmin * sub[:, :, 1])
+
+
+def tile_int6(q: torch.Tensor) -> torch.Tensor:
+    """6-bit values [N, K] (uint8 in [0, 63]) -> the tiled int6 layout (quant_matmul.cpp, "int6 in tiles of
+    8 weight rows"): [N/8, K/32, 192], per tile and block int4's 128 bytes of the low 4 bits, then two
+    32-byte vectors of the top 2 bits (vector k, row j, byte e: bits 2v..2v+1 = weight 16k + 4v + e)."""
+    n, k = q.shape
+    if n % TILE_ROWS:
+        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
+    nb = k // QK
+    low = tile_int4(pack_int4(q & 0x0F), None, None)[0]
+    top = (q >> 4).view(n // TILE_ROWS, TILE_ROWS, nb, 2, 4, 4)  # [tile, row, block, half k, v, e]
+    top = top.permute(0, 2, 3, 1, 5, 4)  # [tile, block, k, row, e, v]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    packed = (top << shifts).sum(-1, dtype=torch.uint8)  # bit fields do not overlap: the sum is an or
+    return torch.cat([low, packed.reshape(n // TILE_ROWS, nb, 64)], dim=2).contiguous()
+
+
+def untile_int6(qweight: torch.Tensor) -> torch.Tensor:
+    """The tiled int6 layout -> 6-bit values [N, K] (the inverse of `tile_int6`)."""
+    tiles, nb, _ = qweight.shape
+    n = tiles * TILE_ROWS
+    low = unpack_int4(untile_int4(qweight[:, :, :128], None, None)[0]).view(n, nb, 2, 4, 4)
+    top = qweight[:, :, 128:].reshape(tiles, nb, 2, TILE_ROWS, 4, 1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    top = (top & 3).permute(0, 3, 1, 2, 5, 4).reshape(n, nb, 2, 4, 4)  # [row, block, k, v, e]
+    return (low | (top << 4)).reshape(n, nb * QK)
+
+
+def int6_rows(qweight: torch.Tensor, supers: torch.Tensor, subscales: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiled int6 with its scales (GGUF Q6_K kept as stored) -> the row layout: values [N, K] (uint8,
+    0..63), d [N, K/256] float16 and sc [N, K/16] int8."""
+    tiles, nb, _ = subscales.shape
+    sc = subscales.view(tiles, nb, 2, TILE_ROWS).permute(0, 3, 1, 2).reshape(tiles * TILE_ROWS, nb * 2)
+    return untile_int6(qweight), _untile_side(supers, tiles * TILE_ROWS, nb // SUPER), sc
+
+
+def dequantize_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+    """Row-layout 6-bit weights -> [N, K]: (d * sc) * (q - 32) in float32, gguf's Q6_K expression and order."""
+    n, k = q.shape
+    step = d.float().repeat_interleave(SUPER * 2, dim=1) * sc.float()  # [N, K/16]
+    return (step[..., None] * (q.view(n, k // 16, 16).float() - 32)).view(n, k).to(dtype)
 
 
 def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
@@ -332,6 +384,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.T
     (bits 16) are widened (exact)."""
     if bits == 16:
         return (unpack_half(qweight, qweight.shape[0] * HALF_PANEL) if qweight.dim() == 3 else qweight).to(dtype)
+    if bits == 6:  # tiled only, with its scales (GGUF Q6_K)
+        return dequantize_int6(*int6_rows(qweight, scales, subscales), dtype)
     if subscales is not None:
         scales, mins = superblock_scales(scales, mins, subscales)
     if qweight.dim() == 3:

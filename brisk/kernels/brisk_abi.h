@@ -42,15 +42,16 @@ struct BriskScratch {  // float32 buffers the caller allocates, sized for the st
     float *x, *qkv, *q, *attn, *proj, *gate_up, *act;
     int8_t* xq;  // activation blocks for the matmuls
     float *xd, *xs;
-    int32_t* xn;
+    int32_t* xn;  // [2, rows, K/32] (brisk_quant_matmul's xn)
 };
 
 extern "C" {
 
 // quant_matmul.cpp: out [M, N] = x [M, K] . W^T, quantizing x into the caller's scratch first.
-// xq [M, K], xd, xs [M, K/32] float and xn [M, K/32] int32: the activation blocks' values, scales,
-// scaled sums and integer sums.
-// wsub: tiled int4 with super-block scales (GGUF Q4_K as stored; quant_matmul.cpp, tile_scales), else null.
+// xq [M, K], xd, xs [M, K/32] float and xn [2, M, K/32] int32: the activation blocks' values, scales,
+// scaled sums, and integer sums (then the integer sums of each block's first 16).
+// wsub: tiled int4 with super-block scales (GGUF Q4_K as stored; quant_matmul.cpp, tile_scales) or tiled
+// int6 (bits 6, GGUF Q6_K as stored: its sub-scales), else null.
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
                         const uint8_t* wsub, int bits, int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq,
                         float* xd, float* xs, int32_t* xn, float* out);

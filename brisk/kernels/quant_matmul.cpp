@@ -11,8 +11,9 @@
 // (AVX2 maddubs) and one float FMA: sum_j w_j x_j = d*dx*sum(q_j*xq_j) + m*dx*sum(xq_j).
 //
 // int4 and int8 also come in tiled layouts of 8 weight rows (see "int4 in tiles of 8 weight rows" and
-// "int8 in tiles of 8 weight rows" below), which brisk's conversion writes for linear layers;
-// embeddings keep the row layout.
+// "int8 in tiles of 8 weight rows" below), which brisk's conversion writes for linear layers and
+// token embeddings; GGUF Q6_K is kept as stored in a third tiled layout ("int6 in tiles of 8 weight
+// rows").
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py); threads come from OpenMP, the
 // same libgomp that PyTorch already loaded, so they share its thread team.
@@ -57,7 +58,8 @@ struct Weights {
     const uint16_t* m;    // [N, K/32] float16 offsets, or null
     int bits;             // 4 or 8
     bool tiled;           // in tiles of 8 rows (see "int4 in tiles of 8 weight rows" below)
-    const uint8_t* sub;   // tiled int4 with super-block scales (GGUF Q4_K), else null: see tile_scales
+    const uint8_t* sub;   // tiled int4 with super-block scales (GGUF Q4_K): see tile_scales;
+                          // tiled int6 (GGUF Q6_K): its signed sub-scales, see "int6 in tiles"; else null
 };
 
 struct Acts {
@@ -65,11 +67,13 @@ struct Acts {
     const float* d;     // [M, K/32] scale of each block
     const float* s;     // [M, K/32] d * sum(q) of each block
     const int32_t* n;   // [M, K/32] sum(q) of each block (the tiled int8 kernel's exact offset)
+    const int32_t* h;   // [M, K/32] sum(q) of each block's first 16 (the int6 tiles' zero point)
 };
 
 // ---------------------------------------------------------------- scalar reference path
 
-void quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn) {
+void quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn,
+                          int32_t* xh) {
     const int64_t nb = K / QK;
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -77,15 +81,17 @@ void quantize_rows_scalar(const float* x, int64_t M, int64_t K, int8_t* xq, floa
             float amax = 0.f;
             for (int j = 0; j < QK; j++) amax = std::fmax(amax, std::fabs(src[j]));
             const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-            int sum = 0;
+            int sum = 0, half = 0;
             for (int j = 0; j < QK; j++) {
                 const int v = (int)std::nearbyint(src[j] * id);
                 xq[r * K + b * QK + j] = (int8_t)v;
                 sum += v;
+                if (j == QK / 2 - 1) half = sum;
             }
             xd[r * nb + b] = d;
             xs[r * nb + b] = d * (float)sum;
             xn[r * nb + b] = sum;
+            xh[r * nb + b] = half;
         }
     }
 }
@@ -121,7 +127,7 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
 
 __attribute__((target("avx2,fma,f16c")))
 void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn,
-                        bool paired) {
+                        int32_t* xh, bool paired) {
     const int64_t nb = K / QK;
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -142,10 +148,14 @@ void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float*
             __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), rnd));
             __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), rnd));
             __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), rnd));
-            __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            const __m256i s01 = _mm256_add_epi32(i0, i1);  // elements 0..15
+            __m256i s = _mm256_add_epi32(s01, _mm256_add_epi32(i2, i3));
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
             s4 = _mm_hadd_epi32(s4, s4);
             s4 = _mm_hadd_epi32(s4, s4);
+            __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(s01), _mm256_extracti128_si256(s01, 1));
+            h4 = _mm_hadd_epi32(h4, h4);
+            h4 = _mm_hadd_epi32(h4, h4);
             // int32 -> int8 keeping element order (packs work per 128-bit lane, then fix the order)
             __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
             __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
@@ -161,6 +171,7 @@ void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* xq, float*
             xd[r * nb + b] = d;
             xs[r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
             xn[r * nb + b] = _mm_cvtsi128_si32(s4);
+            xh[r * nb + b] = _mm_cvtsi128_si32(h4);
         }
     }
 }
@@ -597,7 +608,7 @@ float dot_scalar_tiled8(const Weights& w, int64_t n, const Acts& a, int64_t r, i
     return acc;
 }
 
-// Weight row n of the tiled layout, one activation row, portable (same math as dot_scalar).
+// Weight row n of the tiled layout, one activation row, portable (the float steps of tile_rows).
 float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
     const int64_t nb = K / QK, tile = n / NR, j = n % NR;
     float acc = 0.f;
@@ -612,7 +623,186 @@ float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, in
             }
         float d, m;
         tile_scale(w, tile, b, nb, j, d, m);
-        acc += d * a.d[r * nb + b] * (float)isum + m * a.s[r * nb + b];
+        acc = std::fma((float)isum, d * a.d[r * nb + b], acc);  // the vector paths' steps: the same bits
+        acc = std::fma(m, a.s[r * nb + b], acc);
+    }
+    return acc;
+}
+
+// ---------------------------------------------------------------- int6 in tiles of 8 weight rows
+//
+// GGUF Q6_K kept as stored (`tiled`, bits 6, N a multiple of 8; brisk.kernels.tile_int6 writes it at
+// conversion). A weight is w = d * sc * (q - 32): q in [0, 63], sc a signed 8-bit scale per 16 weights,
+// d a float16 per 256. For tile t and block b, 192 bytes at q + (t * nb + b) * 192:
+//   bytes 0..127: q's low 4 bits as int4's tile (vector v, row j, byte e: low nibble weight 4v+e,
+//     high nibble weight 16+4v+e);
+//   bytes 128..159 (h0) and 160..191 (h1): q's top 2 bits; byte 4j+e of h_k holds, at bits 2v..2v+1,
+//     those of row j's weight 16k+4v+e.
+// That is 6 bits a weight, as in the file; with the scales 6.5625 (Q6_K's own 210 bytes per 256).
+// `d`: [tiles][nb/8][8] float16, the tile's rows side by side per 256; `sub`: [tiles][nb][16] int8,
+// the tile's 8 rows' sc of weights 0..15, then of weights 16..31.
+//
+// The nibble split is also the scale split: vectors 0-3's low nibbles are the block's first 16
+// weights. Each half's integer sum S_k = sum q x is exact in int32, and so is the block's
+//   T = sc_0 (S_0 - 32 X_0) + sc_1 (S_1 - 32 X_1)   (X_k the activations' half sums, from the quantizer)
+// (|T| <= 2 * 128 * 16 * 32 * 127 < 2^24, so also exact as a float), then acc = fma(T, d * dx, acc):
+// the same float steps on every path and row count, so every path gives the same bits, alone or
+// batched. q is unsigned, so AVX2's maddubs and VNNI's vpdpbusd take it as it is.
+
+// The top 2 bits of vector v's weights at bits 4..5 of each byte (16-bit shifts: what crosses a byte
+// boundary is masked off by the caller).
+template <int V>
+__attribute__((target("avx2,fma,f16c"))) inline __m256i top_bits(__m256i h) {
+    return V == 0 ? _mm256_slli_epi16(h, 4) : V == 1 ? _mm256_slli_epi16(h, 2) : V == 2 ? h : _mm256_srli_epi16(h, 2);
+}
+
+template <int V>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i top_bits(__m512i h) {
+    return V == 0 ? _mm512_slli_epi16(h, 4) : V == 1 ? _mm512_slli_epi16(h, 2) : V == 2 ? h : _mm512_srli_epi16(h, 2);
+}
+
+// Vector V of a 6-bit block's first (lo) and second (hi) 16 weights, as bytes 0..63.
+template <int V>
+__attribute__((target("avx2,fma,f16c")))
+inline void int6_vectors(const uint8_t* blk, __m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + V * 32));
+    lo = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(top_bits<V>(h0), top));
+    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(top_bits<V>(h1), top));
+}
+
+template <int V>
+__attribute__((target("avx512f,avx512bw,avx2")))
+inline void int6_vectors(const uint8_t* b0, const uint8_t* b1, __m512i h0, __m512i h1, __m512i& lo, __m512i& hi) {
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + V * 32))),
+                                           _mm256_loadu_si256((const __m256i*)(b1 + V * 32)), 1);
+    lo = _mm512_or_si512(_mm512_and_si512(raw, low), _mm512_and_si512(top_bits<V>(h0), top));
+    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), _mm512_and_si512(top_bits<V>(h1), top));
+}
+
+constexpr int64_t INT6_BYTES = 192;
+
+template <int MT>
+__attribute__((target("avx2,fma,f16c")))
+void tile6_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* wt = w.q + tile * nb * INT6_BYTES;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = wt + b * INT6_BYTES;
+        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(blk + 128));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(blk + 160));
+        __m256i lo[4], hi[4];
+        int6_vectors<0>(blk, h0, h1, lo[0], hi[0]);
+        int6_vectors<1>(blk, h0, h1, lo[1], hi[1]);
+        int6_vectors<2>(blk, h0, h1, lo[2], hi[2]);
+        int6_vectors<3>(blk, h0, h1, lo[3], hi[3]);
+        const uint8_t* s = w.sub + (tile * nb + b) * 16;
+        const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)s));
+        const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(s + 8)));
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * (nb / 8) + b / 8) * NR)));
+        for (int i = 0; i < MT; i++) {
+            const int8_t* yb = a.q + (r0 + i) * K + b * QK;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v += 2) {  // two vectors' int16 products: |sum| <= 4 * 63 * 127 < 2^15
+                int32_t y[4];
+                std::memcpy(&y[0], yb + 4 * v, 8);
+                std::memcpy(&y[2], yb + 4 * (v + 4), 8);
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(y[0])),
+                    _mm256_maddubs_epi16(lo[v + 1], _mm256_set1_epi32(y[1]))), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(y[2])),
+                    _mm256_maddubs_epi16(hi[v + 1], _mm256_set1_epi32(y[3]))), ones));
+            }
+            const int32_t x0 = a.h[(r0 + i) * nb + b], x1 = a.n[(r0 + i) * nb + b] - x0;
+            const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * x0))),
+                                               _mm256_mullo_epi32(sc1, _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * x1))));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
+                                     acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
+}
+
+// Two tiles (16 rows) with VNNI in a zmm, as tile8_pair_vnni. (An odd last tile takes tile6_rows.)
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+void tile6_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* w0 = w.q + tile * nb * INT6_BYTES;
+    const uint8_t* w1 = w0 + nb * INT6_BYTES;
+    __m512 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* b0 = w0 + b * INT6_BYTES;
+        const uint8_t* b1 = w1 + b * INT6_BYTES;
+        const __m512i h0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 128))),
+                                              _mm256_loadu_si256((const __m256i*)(b1 + 128)), 1);
+        const __m512i h1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 160))),
+                                              _mm256_loadu_si256((const __m256i*)(b1 + 160)), 1);
+        __m512i lo[4], hi[4];
+        int6_vectors<0>(b0, b1, h0, h1, lo[0], hi[0]);
+        int6_vectors<1>(b0, b1, h0, h1, lo[1], hi[1]);
+        int6_vectors<2>(b0, b1, h0, h1, lo[2], hi[2]);
+        int6_vectors<3>(b0, b1, h0, h1, lo[3], hi[3]);
+        const uint8_t* s0p = w.sub + (tile * nb + b) * 16;
+        const uint8_t* s1p = s0p + nb * 16;  // the next tile's
+        const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)s0p),
+                                                                    _mm_loadl_epi64((const __m128i*)s1p)));
+        const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(s0p + 8)),
+                                                                    _mm_loadl_epi64((const __m128i*)(s1p + 8))));
+        const uint16_t* dp = w.d + (tile * (nb / 8) + b / 8) * NR;
+        const __m512 d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)dp)),
+            _mm_loadu_si128((const __m128i*)(dp + (nb / 8) * NR)), 1));
+        for (int i = 0; i < MT; i++) {
+            typedef int32_t __attribute__((may_alias)) group_t;
+            const group_t* y = reinterpret_cast<const group_t*>(a.q + (r0 + i) * K + b * QK);
+            __m512i s_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(y[0]));
+            __m512i s_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(y[4]));
+            for (int v = 1; v < 4; v++) {
+                s_lo = _mm512_dpbusd_epi32(s_lo, lo[v], _mm512_set1_epi32(y[v]));
+                s_hi = _mm512_dpbusd_epi32(s_hi, hi[v], _mm512_set1_epi32(y[v + 4]));
+            }
+            const int32_t x0 = a.h[(r0 + i) * nb + b], x1 = a.n[(r0 + i) * nb + b] - x0;
+            const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(s_lo, _mm512_set1_epi32(32 * x0))),
+                                               _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s_hi, _mm512_set1_epi32(32 * x1))));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d16, _mm512_set1_ps(a.d[(r0 + i) * nb + b])),
+                                     acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, _mm512_castps512_ps256(acc[i]));
+        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR + NR,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+    }
+}
+
+// Weight row n of the tiled int6 layout, one activation row, portable: the same integer and float steps.
+float dot_scalar_tiled6(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+    const int64_t nb = K / QK, tile = n / NR, j = n % NR;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w.q + (tile * nb + b) * INT6_BYTES;
+        const int8_t* y = a.q + r * K + b * QK;
+        int32_t s0 = 0, s1 = 0;
+        for (int v = 0; v < 4; v++)
+            for (int e = 0; e < 4; e++) {
+                const int at = 4 * (int)j + e, byte = blk[v * 32 + at];
+                const int q0 = (byte & 0x0F) | (((blk[128 + at] >> (2 * v)) & 3) << 4);
+                const int q1 = (byte >> 4) | (((blk[160 + at] >> (2 * v)) & 3) << 4);
+                s0 += q0 * y[4 * v + e];
+                s1 += q1 * y[16 + 4 * v + e];
+            }
+        const int8_t* sc = reinterpret_cast<const int8_t*>(w.sub) + (tile * nb + b) * 16;
+        const int32_t x0 = a.h[r * nb + b], x1 = a.n[r * nb + b] - x0;
+        const int32_t t = sc[j] * (s0 - 32 * x0) + sc[8 + j] * (s1 - 32 * x1);
+        const float d = f16_to_f32(w.d[(tile * (nb / 8) + b / 8) * NR + j]);
+        acc = std::fma((float)t, d * a.d[r * nb + b], acc);
     }
     return acc;
 }
@@ -648,9 +838,31 @@ bool has_avx2() { return kernel_isa() >= 2; }
 constexpr int64_t ROWS_PER_TASK = 8;  // weight rows a thread takes at a time (stay in L1/L2 across row tiles)
 constexpr int MT = 4;                 // activation rows per register tile
 
-// The tiled int8 layout: tile pairs with VNNI at every row count (no nibbles to unpack, so the pair
-// pays from one row on), else one tile at a time.
-void matmul_tiled8(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
+// The kernels of a tiled layout whose tile pairs take VNNI at every row count (no nibbles to
+// unpack, or few enough that the pair pays from one row on): int8 and int6.
+struct Int8Tiles {
+    template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                       int64_t N) { tile8_pair_vnni<MT>(w, t, a, r, K, out, N); }
+    template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                      int64_t N) { tile8_rows<MT>(w, t, a, r, K, out, N); }
+    static float scalar(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+        return dot_scalar_tiled8(w, n, a, r, K);
+    }
+};
+
+struct Int6Tiles {
+    template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                       int64_t N) { tile6_pair_vnni<MT>(w, t, a, r, K, out, N); }
+    template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                      int64_t N) { tile6_rows<MT>(w, t, a, r, K, out, N); }
+    static float scalar(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+        return dot_scalar_tiled6(w, n, a, r, K);
+    }
+};
+
+// Tile pairs with VNNI (an odd last tile alone, the same bits), else one tile at a time, else portable.
+template <class L>
+void matmul_tiles(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
     const int isa = kernel_isa();
     const int64_t tiles = N / NR;
     if (isa >= 3) {
@@ -660,11 +872,11 @@ void matmul_tiled8(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_
             const int64_t t = 2 * p;
             int64_t r = 0;
             if (t + 1 < tiles) {
-                for (; r + 4 <= M; r += 4) tile8_pair_vnni<4>(w, t, a, r, K, out, N);
-                for (; r < M; r++) tile8_pair_vnni<1>(w, t, a, r, K, out, N);
+                for (; r + 4 <= M; r += 4) L::template pair<4>(w, t, a, r, K, out, N);
+                for (; r < M; r++) L::template pair<1>(w, t, a, r, K, out, N);
             } else {
-                for (; r + 4 <= M; r += 4) tile8_rows<4>(w, t, a, r, K, out, N);
-                for (; r < M; r++) tile8_rows<1>(w, t, a, r, K, out, N);
+                for (; r + 4 <= M; r += 4) L::template one<4>(w, t, a, r, K, out, N);
+                for (; r < M; r++) L::template one<1>(w, t, a, r, K, out, N);
             }
         }
         return;
@@ -673,17 +885,18 @@ void matmul_tiled8(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_
     for (int64_t t = 0; t < tiles; t++) {
         if (isa >= 2) {
             int64_t r = 0;
-            for (; r + 4 <= M; r += 4) tile8_rows<4>(w, t, a, r, K, out, N);
-            for (; r < M; r++) tile8_rows<1>(w, t, a, r, K, out, N);
+            for (; r + 4 <= M; r += 4) L::template one<4>(w, t, a, r, K, out, N);
+            for (; r < M; r++) L::template one<1>(w, t, a, r, K, out, N);
         } else {
             for (int64_t n = t * NR; n < (t + 1) * NR; n++)
-                for (int64_t r = 0; r < M; r++) out[r * N + n] = dot_scalar_tiled8(w, n, a, r, K);
+                for (int64_t r = 0; r < M; r++) out[r * N + n] = L::scalar(w, n, a, r, K);
         }
     }
 }
 
 void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
-    if (w.tiled && w.bits == 8) return matmul_tiled8(w, a, M, N, K, out);
+    if (w.tiled && w.bits == 8) return matmul_tiles<Int8Tiles>(w, a, M, N, K, out);
+    if (w.tiled && w.bits == 6) return matmul_tiles<Int6Tiles>(w, a, M, N, K, out);
     const bool avx2 = has_avx2(), vnni = kernel_isa() >= 3;
     // From 8 activation rows on, tiles two at a time (an odd last tile alone); below, the pair's
     // unpacking is not paid back (one TinyLlama layer's linears, same run: the pair loop 2.04x the
@@ -745,13 +958,16 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
 }
 
 // `paired`: the AVX2 int4 layout (whole pairs of blocks interleaved; an odd last block as is).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn, bool paired) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn, int32_t* xh,
+                   bool paired) {
     const bool avx2 = has_avx2();
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
-        if (avx2) quantize_rows_avx2(x + r * K, 1, K, xq + r * K, xd + r * nb, xs + r * nb, xn + r * nb, paired);
-        else quantize_rows_scalar(x + r * K, 1, K, xq + r * K, xd + r * nb, xs + r * nb, xn + r * nb);
+        if (avx2)
+            quantize_rows_avx2(x + r * K, 1, K, xq + r * K, xd + r * nb, xs + r * nb, xn + r * nb, xh + r * nb, paired);
+        else
+            quantize_rows_scalar(x + r * K, 1, K, xq + r * K, xd + r * nb, xs + r * nb, xn + r * nb, xh + r * nb);
     }
 }
 
@@ -763,9 +979,10 @@ extern "C" {
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
                         const uint8_t* wsub, int bits, int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq,
                         float* xd, float* xs, int32_t* xn, float* out) {
-    quantize_rows(x, M, K, xq, xd, xs, xn, bits == 4 && !tiled && has_avx2());
-    const Weights w{wq, wd, wm, bits, tiled != 0, tiled && bits == 4 ? wsub : nullptr};
-    const Acts a{xq, xd, xs, xn};
+    int32_t* xh = xn + M * (K / QK);
+    quantize_rows(x, M, K, xq, xd, xs, xn, xh, bits == 4 && !tiled && has_avx2());
+    const Weights w{wq, wd, wm, bits, tiled != 0, tiled && bits != 8 ? wsub : nullptr};
+    const Acts a{xq, xd, xs, xn, xh};
     matmul(w, a, M, N, K, out);
 }
 

@@ -108,20 +108,26 @@ def dequant_q5_k(raw: np.ndarray) -> np.ndarray:
     return _k_quant_apply(b, low | (high << 4))
 
 
-def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
-    b = _blocks(raw, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2)
+Q6_K_BYTES = QK_K // 2 + QK_K // 4 + QK_K // 16 + 2
+
+
+def q6_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K super-blocks -> (values [n, 256] uint8 in [0, 63], element order; sc [n, 16] int8, one per 16
+    elements; d [n] float16). A weight is d * sc * (q - 32)."""
+    b = _blocks(raw, Q6_K_BYTES)
     ql = b[:, :128].reshape(-1, 2, 2, 32)  # [n, half, (l, l+32), 32]
     qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, 1, 32]
-    scales = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 2, 8)
-    d = _f16(b, 208).reshape(-1, 1, 1, 1, 1)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [n, half, 4, 32] for q1, q2, q3, q4
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
     high = (qh >> shifts) & 3  # [n, half, 4, 32]
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)  # [n, half, 4, 32]
-    # Element l of quarter j uses scale index j * 2 + l // 16.
-    q = q.reshape(-1, 2, 4, 2, 16).astype(np.float32)
-    scale = d * scales.reshape(-1, 2, 4, 2, 1)
-    return (scale * q).reshape(-1)
+    q = (low | (high << 4)).reshape(-1, QK_K)  # element l of quarter j: scale index j * 2 + l // 16
+    return q, b[:, 192:208].view(np.int8), b[:, 208:210].copy().view(np.float16)[:, 0]
+
+
+def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
+    q, sc, d = q6_k_parts(raw)
+    scale = d.astype(np.float32)[:, None, None] * sc.astype(np.float32).reshape(-1, 16, 1)
+    return (scale * (q.astype(np.int8) - np.int8(32)).astype(np.float32).reshape(-1, 16, 16)).reshape(-1)
 
 
 def dequant_f16(raw: np.ndarray) -> np.ndarray:

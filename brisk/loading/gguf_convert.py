@@ -10,8 +10,10 @@ Quantized weights stay quantized (`brisk.models.quant`'s int4/int8 blocks of 32)
 default `auto` mode Q4_0, Q4_1 and Q8_0 are repacked by slicing their bytes (exact), Q4_K
 keeps its super-block scales (each row's float16 d/dmin per 256 and 6-bit sc/mn per 32; exact,
 4.625 bits a weight) in tiles (a weight whose rows do not fill tiles of 8 maps onto int4 with a
-float16 scale and offset per 32, exact up to rounding each block's `d * sc` to float16), and
-Q5_0/Q5_1/Q5_K/Q6_K, whose 5-6 bit values have no kernel, are requantized to int8 blocks from
+float16 scale and offset per 32, exact up to rounding each block's `d * sc` to float16), Q6_K
+likewise keeps its 6-bit values and scales (each row's float16 d per 256, a signed 8-bit sc per 16;
+exact, 6.5625 bits a weight) in tiles of its own (rows that do not fill tiles: int8), and
+Q5_0/Q5_1/Q5_K, whose 5-bit values have no kernel, are requantized to int8 blocks from
 their dequantized values (a half int8 step of extra error).
 `none` dequantizes everything to float32; `int8`/`int4` requantize every weight matrix.
 Float matrices stored as F16 or BF16 (llama.cpp's `--outtype f16|bf16`) stay 16-bit in `auto`,
@@ -40,15 +42,16 @@ import torch
 
 from brisk.errors import ModelLoadError
 from brisk.kernels import QK, TILE_BYTES, TILE_ROWS
-from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64, check_type
+from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64, check_type, q6_k_parts
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 8  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
-# 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled; 8: Q4_K kept with its super-block scales
+CONVERT_VERSION = 9  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
+# 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled; 8: Q4_K kept with its super-block scales;
+# 9: Q6_K kept as stored
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -91,7 +94,7 @@ _PERMUTED = ("llama", "smollm3")
 NATIVE_FORMATS = {
     "Q4_0": QuantFormat(4, False), "Q4_1": QuantFormat(4, True), "Q4_K": QuantFormat(4, True, superblocks=True),
     "Q8_0": QuantFormat(8, False), "Q5_0": QuantFormat(8, False), "Q5_1": QuantFormat(8, False),
-    "Q5_K": QuantFormat(8, False), "Q6_K": QuantFormat(8, False),
+    "Q5_K": QuantFormat(8, False), "Q6_K": QuantFormat(6, False, superblocks=True),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 HALF_TYPES = ("F16", "BF16")  # kept as stored in `auto` (2-D tensors; vectors become F32)
@@ -169,6 +172,15 @@ def _repack_q4_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
     return {"qweight": pack_int4(torch.from_numpy(q)).numpy(), "scales": d, "mins": dmin, "subscales": sub}
 
 
+def _repack_q6_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q6_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: 6-bit values (uint8
+    [rows, cols]), each row's d per super-block (float16) and a signed sc per 16 weights (int8
+    [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_int6)."""
+    q, sc, d = q6_k_parts(raw)
+    return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
+            "subscales": np.ascontiguousarray(sc).reshape(rows, cols // QK, 2)}
+
+
 def _with_format(arrays: dict[str, np.ndarray], fmt: QuantFormat) -> dict[str, np.ndarray]:
     """int4 blocks without offsets given offsets (-8 * scale, exact in float16) when `fmt` has them."""
     if fmt.has_mins and "mins" not in arrays:
@@ -181,16 +193,17 @@ def stored_arrays(fmt: QuantFormat | None, float_type: str = "F32") -> list[tupl
     for a 16-bit matrix kept as stored)."""
     if fmt is None:
         return [("weight", float_type)]
-    arrays = [("qweight", "U8" if fmt.bits == 4 else "I8"), ("scales", "F16")]
-    return arrays + ([("mins", "F16")] if fmt.has_mins else []) + ([("subscales", "U8")] if fmt.superblocks else [])
+    arrays = [("qweight", "I8" if fmt.bits == 8 else "U8"), ("scales", "F16")]
+    return arrays + ([("mins", "F16")] if fmt.has_mins else []) + \
+        ([("subscales", "I8" if fmt.bits == 6 else "U8")] if fmt.superblocks else [])
 
 
 def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> tuple[int, ...]:
     if suffix == "weight":
         return (rows, cols)
     if fmt.superblocks:  # always tiled (a weight that cannot be is stored without them)
-        return {"qweight": (rows // TILE_ROWS, cols // QK, 128), "subscales": (rows // TILE_ROWS, cols // QK, 16)}.get(
-            suffix, (rows // TILE_ROWS, cols // QK_K, TILE_ROWS))
+        return {"qweight": (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits]),
+                "subscales": (rows // TILE_ROWS, cols // QK, 16)}.get(suffix, (rows // TILE_ROWS, cols // QK_K, TILE_ROWS))
     if fmt.tiled:
         return (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits] if suffix == "qweight" else TILE_ROWS)
     if suffix == "qweight":
@@ -278,6 +291,8 @@ class _Tensors:
             arrays = _with_format(_repack_legacy(raw, rows, cols, qtype), fmt)
         elif qtype == "Q4_K" and fmt == NATIVE_FORMATS[qtype]:
             arrays = _repack_q4_k_super(raw, rows, cols)
+        elif qtype == "Q6_K" and fmt == NATIVE_FORMATS[qtype]:
+            arrays = _repack_q6_k_super(raw, rows, cols)
         elif qtype == "Q4_K" and fmt == replace(NATIVE_FORMATS[qtype], superblocks=False):
             arrays = _repack_q4_k(raw, rows, cols)
         else:  # requantize from the float values
@@ -302,8 +317,8 @@ class _Group:
         self.shape = (sum(s[0] for s in shapes), *shapes[0][1:])
         if tileable(hf_name, fmt, self.shape[0]):
             fmt = replace(fmt, tiled=True)
-        elif fmt is not None and fmt.superblocks:  # super-block scales live in tiles only
-            fmt = replace(fmt, superblocks=False)
+        elif fmt is not None and fmt.superblocks:  # super-block scales live in tiles only: Q4_K becomes
+            fmt = replace(fmt, superblocks=False) if fmt.bits == 4 else QuantFormat(8, False)  # int4, Q6_K int8
         self.fmt = fmt
         self._arrays: dict[str, np.ndarray] | None = None
 

@@ -89,13 +89,38 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 144)
 
 
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> GGUF Q6_K blocks [rows, cols / 256 * 210] (uint8),
+    for random-weight test models (the `gguf` package has no Q6_K quantizer; this one takes each 16's
+    range). Per super-block of 256: 128 bytes of low 4 bits (byte i of half h: elements 128h + i and
+    128h + 64 + i), 64 bytes of top 2 bits (byte i of half h, bits 2s: element 128h + 32s + i), 16 signed
+    scales, float16 d; w = d * sc * (q - 32)."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-blocks, 16]
+    scale = np.abs(x).max(-1) / 31.5
+    d = (scale.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
+    step = (df * sc.astype(np.float32))[..., None]
+    q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 128)  # [super-blocks, half, 128]
+    ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)
+    top = (q >> 4).reshape(-1, 2, 4, 32)
+    qh = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
+                            axis=1)
+    return blocks.reshape(rows, cols // 256 * 210)
+
+
 def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
                       tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
     """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
-    Q8_0, F32: what `gguf.quants.quantize` writes; or Q4_K, `quantize_q4_k`), norms in F32. The tokenizer is copied from
+    Q8_0, F32: what `gguf.quants.quantize` writes; or Q4_K / Q6_K, `quantize_q4_k` / `quantize_q6_k`), norms in F32. The tokenizer is copied from
     `tokenizer_from`, or (None) a `small_vocab`-token one."""
     import gguf
     from gguf.quants import quantize
+
+    K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
 
     qtype = gguf.GGMLQuantizationType[tensor_type]
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -131,8 +156,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
         values = (rng.standard_normal(dims, dtype=np.float32) * 0.02)
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, values)
-        elif qtype == gguf.GGMLQuantizationType.Q4_K:
-            writer.add_tensor(name, quantize_q4_k(values), raw_dtype=qtype)
+        elif qtype in K_QUANTIZERS:
+            writer.add_tensor(name, K_QUANTIZERS[qtype](values), raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
     for name in norms:

@@ -26,7 +26,7 @@ from torch import nn
 
 from brisk import kernels
 from brisk.errors import BriskError
-from brisk.kernels import QK
+from brisk.kernels import QK, pack_int4
 
 QUANT_SUFFIXES = ("qweight", "scales", "mins", "subscales")
 
@@ -36,7 +36,7 @@ HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weig
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 4 or 8; 16: bfloat16/float16 weights kept as stored, no scales (half_matmul.cpp)
+    bits: int  # 4 or 8; 6: GGUF Q6_K kept as stored; 16: bfloat16/float16 weights kept as stored, no scales
     has_mins: bool
     # int4/int8: stored in tiles of 8 rows (brisk.kernels.tile_int4/tile_int8), the layout the kernel
     # reads fastest;
@@ -44,9 +44,11 @@ class QuantFormat:
     # (looked up by row) in the row layout
     tiled: bool = False
     half: torch.dtype | None = None  # bits 16: torch.bfloat16 or torch.float16
-    # int4 with super-block scales (GGUF Q4_K kept as stored, tiled only): `scales`/`mins` hold each
-    # row's float16 d and dmin per 256 weights, `subscales` each block's 6-bit sc and mn (uint8):
-    # scale = d * sc, offset = -(dmin * mn) (brisk.kernels.tile_superblocks)
+    # K-quants kept as stored (tiled only; brisk.kernels.tile_superblocks). int4 (GGUF Q4_K): `scales`/
+    # `mins` hold each row's float16 d and dmin per 256 weights, `subscales` each block's 6-bit sc and
+    # mn (uint8): scale = d * sc, offset = -(dmin * mn). int6 (GGUF Q6_K, brisk.kernels.tile_int6):
+    # `scales` each row's float16 d per 256, `subscales` a signed sc per 16 weights (int8):
+    # w = d * sc * (q - 32)
     superblocks: bool = False
 
     @property
@@ -59,8 +61,8 @@ class QuantFormat:
     def bits_per_weight(self) -> float:
         if self.bits == 16:
             return 16.0
-        if self.superblocks:  # two 8-bit sub-scales per 32 weights, two float16 per 256
-            return self.bits + 16 / QK + 32 / (QK * kernels.SUPER)
+        if self.superblocks:  # two 8-bit sub-scales per 32 weights, one or two float16 per 256
+            return self.bits + 16 / QK + 16 * (2 if self.has_mins else 1) / (QK * kernels.SUPER)
         return self.bits + 16 * (2 if self.has_mins else 1) / QK
 
     @classmethod
@@ -70,8 +72,11 @@ class QuantFormat:
             return None
         if qweight.dtype in HALF_NAMES:  # 3-D: packed in panels of 16 rows (brisk.kernels.pack_half)
             return cls(16, False, qweight.dim() == 3, qweight.dtype)
-        return cls(4 if qweight.dtype == torch.uint8 else 8, f"{prefix}.mins" in tensors, qweight.dim() == 3,
-                   superblocks=f"{prefix}.subscales" in tensors)
+        if qweight.dtype == torch.int8:
+            bits = 8
+        else:  # uint8: int4, or in tiles of 192 bytes int6
+            bits = 6 if qweight.dim() == 3 and qweight.shape[-1] == kernels.TILE_BYTES[6] else 4
+        return cls(bits, f"{prefix}.mins" in tensors, qweight.dim() == 3, superblocks=f"{prefix}.subscales" in tensors)
 
 
 class _Blocks(nn.Module):
@@ -92,13 +97,14 @@ class _Blocks(nn.Module):
         if fmt.superblocks:
             if not fmt.tiled or cols % (QK * kernels.SUPER):
                 raise BriskError(f"a {rows}x{cols} weight cannot take super-block scales; convert the model again")
-            qshape, sshape = (tiles, nb, 128), (tiles, nb // kernels.SUPER, kernels.TILE_ROWS)
-            self.register_buffer("subscales", torch.empty((tiles, nb, 2 * kernels.TILE_ROWS), dtype=torch.uint8))
+            qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb // kernels.SUPER, kernels.TILE_ROWS)
+            self.register_buffer("subscales", torch.empty((tiles, nb, 2 * kernels.TILE_ROWS),
+                                                          dtype=torch.int8 if fmt.bits == 6 else torch.uint8))
         elif fmt.tiled:
             qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb, kernels.TILE_ROWS)
         else:
             qshape, sshape = ((rows, cols // 2) if fmt.bits == 4 else (rows, cols)), (rows, cols // QK)
-        self.register_buffer("qweight", torch.empty(qshape, dtype=torch.uint8 if fmt.bits == 4 else torch.int8))
+        self.register_buffer("qweight", torch.empty(qshape, dtype=torch.int8 if fmt.bits == 8 else torch.uint8))
         self.register_buffer("scales", torch.empty(sshape, dtype=torch.float16))
         if not fmt.superblocks:
             self.subscales = None
@@ -151,6 +157,10 @@ class QuantEmbedding(_Blocks):
         flat = ids.reshape(-1)
         tiles = flat // kernels.TILE_ROWS
         picked = torch.arange(flat.numel(), device=flat.device) * kernels.TILE_ROWS + flat % kernels.TILE_ROWS
+        if self.fmt.bits == 6:
+            rows = kernels.int6_rows(self.qweight[tiles], self.scales[tiles], self.subscales[tiles])
+            values = kernels.dequantize_int6(*(t[picked] for t in rows), self.dtype)
+            return values.view(*ids.shape, self.embedding_dim)
         untile = kernels.untile_int4 if self.fmt.bits == 4 else kernels.untile_int8
         scales, mins = self.scales[tiles], None if self.mins is None else self.mins[tiles]
         if self.subscales is not None:
@@ -165,13 +175,6 @@ class QuantEmbedding(_Blocks):
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16)
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values in [0, 15] -> [N, K/2] uint8: byte j of a block = q[j] | q[j + 16] << 4."""
-    n, k = q.shape
-    blocks = q.to(torch.uint8).view(n, k // QK, 2, QK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
 
 
 def quantize_int4(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -229,10 +232,11 @@ def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     weights -> panels."""
     if blocks["qweight"].dtype in HALF_NAMES:
         return {"qweight": kernels.pack_half(blocks["qweight"])}
-    if "subscales" in blocks:
-        qweight = kernels.tile_int4(blocks["qweight"], None, None)[0]
-        scales, mins, sub = kernels.tile_superblocks(blocks["scales"], blocks["mins"], blocks["subscales"])
-        return {"qweight": qweight, "scales": scales, "mins": mins, "subscales": sub}
+    if "subscales" in blocks:  # K-quants kept as stored: Q6_K's signed sub-scales, or Q4_K's
+        six = blocks["subscales"].dtype == torch.int8
+        qweight = kernels.tile_int6(blocks["qweight"]) if six else kernels.tile_int4(blocks["qweight"], None, None)[0]
+        scales, mins, sub = kernels.tile_superblocks(blocks["scales"], blocks.get("mins"), blocks["subscales"])
+        return {"qweight": qweight, "scales": scales, "subscales": sub, **({"mins": mins} if mins is not None else {})}
     tile_blocks = kernels.tile_int4 if blocks["qweight"].dtype == torch.uint8 else kernels.tile_int8
     qweight, scales, mins = tile_blocks(blocks["qweight"], blocks["scales"], blocks.get("mins"))
     return {"qweight": qweight, "scales": scales, **({"mins": mins} if mins is not None else {})}
