@@ -4,9 +4,10 @@ Writes a TinyLlama-shaped (hidden 2048, 22 layers, FFN 5632, 32/4 heads; 1.1B pa
 the demo tokenizer's 49k vocabulary; `--shape mistral7b`: hidden 4096, 32 layers, FFN 14336, 32/8
 heads) random-weight GGUF in each requested type with the demo model's tokenizer
 (`brisk.loading.gguf_random`; K-quant types such as Q4_K_M by llama.cpp's `llama-quantize` from
-the shape's Q8_0 file), and also serves the demo model's own Q4_1 GGUF. For each model and server: process start -> first 1-token chat completion (brisk twice:
-the first start converts the GGUF into the cache, the second is the warm-cache start users
-see), resident memory (VmRSS after the runs and VmHWM, the peak), and the same `brisk bench`
+the shape's Q8_0 file), and also serves the demo model's own Q4_1 GGUF. For each model and server: process start -> ready (its own readiness endpoint answers 200:
+brisk's /ready, llama-server's /health; brisk twice: the first start converts the GGUF into the
+cache, the second is the warm-cache start users see) and -> the first answered 1-token chat
+completion, resident memory (VmRSS after the runs and VmHWM, the peak), and the same `brisk bench`
 streaming workload at 1/16/64 concurrent streams (short chat prompts, 64-token replies,
 ignore_eos) as benchmarks/peers/run_peers.py. Prints the machine's read bandwidth beside it.
 
@@ -32,7 +33,10 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
@@ -125,11 +129,29 @@ def memory_mb(pid: int) -> tuple[float, float]:
     return tuple(int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
 
 
-def start(system: str, gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str, float]:
+def wait_health(url: str, proc: subprocess.Popen, path: str, timeout_s: float = 900) -> float:
+    """Seconds until GET `path` answers 200: the server says it is ready (brisk /ready, llama-server /health)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=5).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("not ready in time")
+
+
+def start(system: str, gguf: Path, args, log: Path) -> tuple[subprocess.Popen, str, tuple[float, float]]:
+    """The server, its URL, and (seconds to its own readiness endpoint, seconds to the first answered
+    1-token chat completion), both from process start."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(command(system, gguf, port, args), stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    return proc, url, wait_ready(url, proc, model=MODEL_ID)
+    ready = wait_health(url, proc, "/ready" if system.startswith("brisk") else "/health")
+    return proc, url, (ready, ready + wait_ready(url, proc, model=MODEL_ID))
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -147,7 +169,7 @@ def run_one(system: str, kind: str, args) -> str:
     first_start = ""
     try:
         if system.startswith("brisk"):  # the first start converts into the cache; time the warm one after it
-            proc, _, ready = start(system, gguf, args, log)
+            proc, _, (ready, _) = start(system, gguf, args, log)
             stop(proc)
             first_start = f"{ready:.1f} s / "
         proc, url, ready = start(system, gguf, args, log)
@@ -164,7 +186,7 @@ def run_one(system: str, kind: str, args) -> str:
     cells = " | ".join(f"{runs[c]['output_throughput']:.1f}" for c in levels)
     top = runs[levels[-1]]
     long_cell = "" if long_ttft is None else f" {long_ttft:.2f} s |"
-    return (f"| {kind} | {system} | {first_start}{ready:.1f} s | {cells} | {top['median_ttft_ms'] / 1e3:.2f} s "
+    return (f"| {kind} | {system} | {first_start}{ready[0]:.1f} s, {ready[1]:.1f} s | {cells} | {top['median_ttft_ms'] / 1e3:.2f} s "
             f"|{long_cell} {rss:.0f} / {hwm:.0f} MB | {sum(r['failed'] for r in runs.values())} |")
 
 
@@ -206,7 +228,7 @@ def main() -> None:
             rows.append(run_one(system, kind, args))
             print(rows[-1], flush=True)
     print()
-    print("| model | server | ready after start (brisk: cold cache / warm) | "
+    print("| model | server | ready after start (brisk: cold cache / warm), first answer | "
           + " | ".join(f"tok/s @{c}" for c in levels) + f" | TTFT p50 @{levels[-1]} |"
           + (f" TTFT, {args.long_prompt}-token prompt alone |" if args.long_prompt else "") + " RSS / peak | failed |")
     print("|---|---|---|" + "---|" * len(levels) + "---|" + ("---|" if args.long_prompt else "") + "---|---|")
