@@ -31,7 +31,7 @@ from brisk.errors import BriskError
 from brisk.loading import gguf_convert
 from brisk.loading.gguf_random import Shape, write_random_gguf
 from brisk.loading.loader import load
-from brisk.models.quant import QuantFormat, QuantLinear, quantize_int4, quantize_int8, tile
+from brisk.models.quant import QuantFormat, QuantLinear, StackedQuantLinear, quantize_int4, quantize_int8, tile
 from brisk.models.simple_cache import SingleSequenceCache
 
 
@@ -358,10 +358,11 @@ SMALL = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, context=128)
 SMALL_K = Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128)
 
 
-@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+# Q4_K_M: Q4_K with Q6_K attn_v, ffn_down and output (gguf_random.MIXES): q/k and v in different types
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M"])
 def random_gguf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / f"small-{request.param}.gguf"
-    shape = SMALL_K if request.param in K_QUANTS else SMALL
+    shape = SMALL_K if request.param.startswith(tuple(K_QUANTS)) else SMALL
     return write_random_gguf(path, shape, request.param, None, tied_embeddings=request.param in ("Q8_0", "Q4_K"))
 
 
@@ -388,22 +389,43 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
     loaded = load(str(random_gguf))
     layer = loaded.model.model.layers[1]
     qkv = layer.self_attn.qkv_proj
-    assert isinstance(qkv, QuantLinear)
     q, k, v = (_gguf_float(random_gguf, f"blk.1.attn_{p}.weight") for p in "qkv")
     q = torch.from_numpy(gguf_convert._unpermute(q.numpy(), SMALL.heads))
     k = torch.from_numpy(gguf_convert._unpermute(k.numpy(), SMALL.kv_heads))
     assert torch.equal(qkv.dequantized(), torch.cat([q, k, v]))
-    # linears and the embedding (a tied head multiplies by it) are stored tiled, the kernel's fast layout
-    assert qkv.fmt.tiled and qkv.qweight.dim() == 3
+    types = {t.name: t.tensor_type for t in _reader(random_gguf).tensors}
+    if types["blk.1.attn_v.weight"] != types["blk.1.attn_q.weight"]:  # stored apart, each part in its own type
+        assert isinstance(qkv, StackedQuantLinear) and [p.out_features for p in qkv.parts] == [len(q) + len(k), len(v)]
+        parts = qkv.parts
+    else:
+        assert isinstance(qkv, QuantLinear)
+        parts = [qkv]
+    for part, name in zip(parts, ("attn_q", "attn_v")):
+        # linears and the embedding (a tied head multiplies by it) are stored tiled, the kernel's fast layout
+        assert part.fmt.tiled and part.qweight.dim() == 3
+        assert part.fmt.superblocks == (types[f"blk.1.{name}.weight"].name in K_QUANTS)  # K-quants kept as stored
+        assert part.fmt.bits == {QT.Q6_K: 6, QT.Q8_0: 8}.get(types[f"blk.1.{name}.weight"], 4)
     assert loaded.model.model.embed_tokens.fmt.tiled and loaded.model.lm_head.fmt.tiled
-    q_type = next(t.tensor_type for t in _reader(random_gguf).tensors if t.name == "blk.1.attn_q.weight")
-    assert qkv.fmt.superblocks == (q_type.name in K_QUANTS)  # K-quants kept as stored
-    assert qkv.fmt.bits == {QT.Q6_K: 6, QT.Q8_0: 8}.get(q_type, 4)
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
     head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
     assert torch.equal(loaded.model.lm_head.dequantized(), _gguf_float(random_gguf, head_name))
     ids = torch.tensor([[3, 17, 99], [8, 8, 127]])  # rows of several tiles, twice the same, the last
     assert torch.equal(loaded.model.model.embed_tokens(ids), _gguf_float(random_gguf, "token_embd.weight")[ids])
+
+
+def test_dequantized_for_other_devices_keeps_every_weight(random_gguf, brisk_cache):
+    """Off the CPU the quantized kernels do not run: every weight becomes float (a stacked projection's
+    parts one weight again), equal to the served model's."""
+    from brisk.loading import safetensors_io
+    from brisk.loading.loader import _dequantize_all
+
+    loaded = load(str(random_gguf))
+    shards, _, _ = safetensors_io.load_checkpoint(loaded.model_dir)
+    tensors = {n: t for shard in shards for n, t in shard.items()}
+    _dequantize_all(tensors)
+    assert not any(n.rpartition(".")[2] in ("qweight", "scales", "mins", "subscales") or ".parts." in n for n in tensors)
+    assert torch.equal(tensors["model.layers.1.self_attn.qkv_proj.weight"],
+                       loaded.model.model.layers[1].self_attn.qkv_proj.dequantized())
 
 
 def test_quantized_model_equals_the_float_model_up_to_activation_rounding(random_gguf, brisk_cache, monkeypatch):

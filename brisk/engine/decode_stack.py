@@ -25,23 +25,39 @@ from brisk.kernels.paths import compute_paths
 from brisk.engine.attention import AttentionMetadata, PagedKVCache
 from brisk.models.layers import RopeTables
 from brisk.models.decoder import DecoderForCausalLM
-from brisk.models.quant import QuantLinear
+from brisk.models.quant import QuantLinear, StackedQuantLinear
 
 log = logging.getLogger("brisk.decode_stack")
 
-def _quant_weight(linear: torch.nn.Module) -> abi.QuantWeight | None:
+def _quant_weight(linear: torch.nn.Module, bias: torch.Tensor | None = None) -> abi.QuantWeight | None:
+    """The kernels' view of a quantized linear (`bias`: its own, or a slice of a stacked projection's)."""
+    bias = linear.bias if bias is None else bias
     if not isinstance(linear, QuantLinear) or not all(
             t.device.type == "cpu" and t.is_contiguous()
             for t in (linear.qweight, linear.scales, linear.mins, linear.subscales) if t is not None):
         return None
-    if linear.bias is not None and not (linear.bias.dtype == torch.float32 and linear.bias.is_contiguous()):
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
         return None
     return abi.QuantWeight(linear.qweight.data_ptr(), None if linear.scales is None else linear.scales.data_ptr(),
                         None if linear.mins is None else linear.mins.data_ptr(),
                         None if linear.subscales is None else linear.subscales.data_ptr(),
-                        None if linear.bias is None else linear.bias.data_ptr(),
+                        None if bias is None else bias.data_ptr(),
                         linear.fmt.bits, linear.out_features, linear.in_features, int(linear.fmt.tiled),
                         kernels.HALF_KINDS.get(linear.fmt.half, 0))
+
+
+def _qkv_weights(qkv: torch.nn.Module, gate_up_rows: int) -> tuple[abi.QuantWeight, abi.QuantWeight] | None:
+    """(qkv, qkv_rest) for the layer table: one quantized weight and an empty rest, or a stacked
+    projection's two parts (each with its slice of the bias; the rest is computed into the gate_up
+    buffer first, so it must fit there); None where the stack cannot take it."""
+    if not isinstance(qkv, StackedQuantLinear):
+        return _quant_weight(qkv), abi.QuantWeight()
+    if len(qkv.parts) != 2 or qkv.out_features > gate_up_rows:
+        return None
+    first, rest = qkv.parts
+    bias = (None, None) if qkv.bias is None else (qkv.bias[:first.out_features], qkv.bias[first.out_features:])
+    weights = (_quant_weight(first, bias[0]), _quant_weight(rest, bias[1]))
+    return None if None in weights else weights
 
 
 def _f32_vector(t: torch.Tensor) -> bool:
@@ -86,7 +102,9 @@ class DecodeStack:
             layers = []
             for i, layer in enumerate(model.model.layers):
                 attn, mlp = layer.self_attn, layer.mlp
-                weights = [_quant_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                qkv = _qkv_weights(attn.qkv_proj, 2 * cfg.intermediate_size)
+                weights = [qkv and qkv[0]] + [_quant_weight(m) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                weights.append(qkv and qkv[1])
                 if any(w is None for w in weights) or any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj,
                                                                                        mlp.down_proj)):
                     reason = f"layer {i} has float (or biased) projections"

@@ -16,7 +16,7 @@ class QuantWeight(ctypes.Structure):  # BriskQuantWeight
 
 class Layer(ctypes.Structure):  # BriskLayer
     _fields_ = [("qkv", QuantWeight), ("o", QuantWeight), ("gate_up", QuantWeight), ("down", QuantWeight),
-                ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
+                ("qkv_rest", QuantWeight), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
                 ("window", _i64)]
 
 

@@ -6,14 +6,14 @@
 
 #include <cstdint>
 
-// One weight [n, k] kept as stored: quantized (quant_matmul.cpp's layouts; bits 4 or 8) or 16-bit
+// One weight [n, k] kept as stored: quantized (quant_matmul.cpp's layouts; bits 4, 6 or 8) or 16-bit
 // floats (half_matmul.cpp; bits 16, `half` the kv_types.h code: 1 bfloat16, 2 float16, with d and m
 // null), and an optional float32 bias [n].
 struct BriskQuantWeight {
     const uint8_t* q;
     const uint16_t* d;
     const uint16_t* m;  // null: no offsets
-    const uint8_t* sub;  // tiled int4 with super-block scales (Q4_K), else null
+    const uint8_t* sub;  // tiled int4 with super-block scales (Q4_K), tiled int6's sub-scales (Q6_K), else null
     const float* bias;  // null: no bias
     int64_t bits, n, k;
     int64_t tiled;  // int4/int8 in tiles of 8 rows; 16-bit floats in panels of 16 rows
@@ -23,6 +23,9 @@ struct BriskQuantWeight {
 // One decoder layer of the compiled decode step (decoder.cpp).
 struct BriskLayer {
     BriskQuantWeight qkv, o, gate_up, down;
+    // q == null, or the q/k/v rows after qkv's, stored apart in another format (a GGUF Q4_K_M layer's
+    // Q6_K attn_v beside its Q4_K attn_q/attn_k): the layer's qkv is [qkv; qkv_rest]
+    BriskQuantWeight qkv_rest;
     const float* input_norm;  // weights [hidden]
     const float* post_norm;
     void* k_cache;  // [slots, kv_heads, head_dim] of the kv_dtype (kv_types.h)

@@ -6,7 +6,7 @@
 // the two paths give bit-identical results (tests/test_decode_stack.py holds them to it).
 //
 // Applies to layers whose four projections are brisk's quantized linears (quant_matmul.cpp) or
-// 16-bit float ones (half_matmul.cpp),
+// 16-bit float ones (half_matmul.cpp), q/k/v in one weight or two (`qkv_rest`),
 // float32 activations, and K/V read in place by the paged kernel (paged_attention.cpp).
 // brisk/engine/decode_stack.py checks that and builds the per-layer table once.
 
@@ -58,7 +58,17 @@ int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims
     brisk_rms_norm(residual, nullptr, layers[0].input_norm, s.x, rows, d.hidden, d.eps);
     for (int64_t l = 0; l < num_layers; l++) {
         const Layer& L = layers[l];
-        matmul(L.qkv, s.x, rows, s, s.qkv);
+        if (L.qkv_rest.q) {  // two parts: each into the free gate_up buffer, then their rows side by side
+            const int64_t n0 = L.qkv.n, n1 = L.qkv_rest.n;
+            matmul(L.qkv, s.x, rows, s, s.gate_up);
+            matmul(L.qkv_rest, s.x, rows, s, s.gate_up + rows * n0);
+            for (int64_t r = 0; r < rows; r++) {
+                std::memcpy(s.qkv + r * qkv_n, s.gate_up + r * n0, n0 * sizeof(float));
+                std::memcpy(s.qkv + r * qkv_n + n0, s.gate_up + rows * n0 + r * n1, n1 * sizeof(float));
+            }
+        } else {
+            matmul(L.qkv, s.x, rows, s, s.qkv);
+        }
         brisk_rope(s.qkv, qkv_n, cos, sin, rows, d.heads + d.kv_heads, d.head_dim, d.rot_dim);
         brisk_store_kv(s.qkv + q_size, s.qkv + q_size + kv_size, qkv_n, slots, L.k_cache, L.v_cache, L.k_scale,
                        L.v_scale, (int)d.kv_dtype, rows, d.kv_heads, d.head_dim);

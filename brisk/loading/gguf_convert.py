@@ -45,7 +45,7 @@ from brisk.kernels import QK, TILE_BYTES, TILE_ROWS
 from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64, check_type, q6_k_parts
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
-from brisk.models.quant import QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
+from brisk.models.quant import PARTS, QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
 
 log = logging.getLogger("brisk.loading")
 
@@ -305,17 +305,19 @@ class _Tensors:
 class _Group:
     """One output weight (possibly fused from several GGUF tensors), produced once for all its arrays."""
 
-    def __init__(self, tensors: _Tensors, parts: list[str], hf_name: str):
+    def __init__(self, tensors: _Tensors, parts: list[str], hf_name: str, role: str | None = None):
+        """`role`: the name whose kind decides the layout (a stacked projection's part: the projection's)."""
         self.tensors, self.parts = tensors, parts
         formats = [tensors.target_format(p) for p in parts]
-        # NOTE: fused parts must share one format; mixed ones (e.g. Q4_K q/k with a Q6_K v)
-        # are all stored as int8, the widest, so nothing loses precision it had.
+        # NOTE: fused parts share one format; quantized ones that differ (a Q4_K q/k with a Q6_K v)
+        # were split into parts before (`_stacked_parts`); a float part beside quantized ones makes
+        # them all int8, the widest, so nothing loses precision it had.
         fmt = formats[0] if all(f == formats[0] for f in formats) else QuantFormat(8, False)
         kept = {tensors.kept_type(p) for p in parts}
         self.float_type = kept.pop() if fmt is None and len(kept) == 1 else "F32"  # fused parts share one type
         shapes = [tensors.shape(p) for p in parts]
         self.shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-        if tileable(hf_name, fmt, self.shape[0]):
+        if tileable(role or hf_name, fmt, self.shape[0]):
             fmt = replace(fmt, tiled=True)
         elif fmt is not None and fmt.superblocks:  # super-block scales live in tiles only: Q4_K becomes
             fmt = replace(fmt, superblocks=False) if fmt.bits == 4 else QuantFormat(8, False)  # int4, Q6_K int8
@@ -360,17 +362,41 @@ def _groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
     return groups
 
 
+def _stacked_parts(tensors: _Tensors, hf_name: str, parts: list[str]) -> list[tuple[str, list[str]]]:
+    """A fused weight whose GGUF tensors are quantized in different types (a Q4_K_M layer's Q4_K
+    attn_q/attn_k and Q6_K attn_v) -> its runs of one format, each stored as its own part,
+    `name.parts.{i}.*` (brisk.models.quant.StackedQuantLinear), so that every part keeps its type as
+    stored; else the weight as one group."""
+    formats = [tensors.target_format(p) for p in parts]
+    if len(parts) < 2 or None in formats or all(f == formats[0] for f in formats):
+        return [(hf_name, parts)]
+    runs: list[list[str]] = []
+    for i, part in enumerate(parts):
+        if i and formats[i] == formats[i - 1]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    base = hf_name.removesuffix(".weight")
+    return [(f"{base}{PARTS}{i}.weight", run) for i, run in enumerate(runs)]
+
+
 def _plan(tensors: _Tensors, groups: list[tuple[str, list[str]]]
           ) -> list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """(output name, safetensors dtype, shape, producer) for every tensor of the converted checkpoint."""
     plan = []
-    for hf_name, parts in groups:
-        group = _Group(tensors, parts, hf_name)
-        base = hf_name.removesuffix(".weight")
-        for suffix, dtype in stored_arrays(group.fmt, group.float_type):
-            name = hf_name if suffix == "weight" else f"{base}.{suffix}"
-            shape = group.shape if len(group.shape) == 1 else stored_shape(suffix, *group.shape, group.fmt)
-            plan.append((name, dtype, shape, lambda g=group, s=suffix: g.take(s)))
+    for fused_name, fused_parts in groups:
+        for hf_name, parts in _stacked_parts(tensors, fused_name, fused_parts):
+            plan += _group_plan(_Group(tensors, parts, hf_name, role=fused_name), hf_name)
+    return plan
+
+
+def _group_plan(group: _Group, hf_name: str) -> list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    plan = []
+    base = hf_name.removesuffix(".weight")
+    for suffix, dtype in stored_arrays(group.fmt, group.float_type):
+        name = hf_name if suffix == "weight" else f"{base}.{suffix}"
+        shape = group.shape if len(group.shape) == 1 else stored_shape(suffix, *group.shape, group.fmt)
+        plan.append((name, dtype, shape, lambda g=group, s=suffix: g.take(s)))
     return plan
 
 

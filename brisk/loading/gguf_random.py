@@ -112,17 +112,23 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 210)
 
 
+MIXES = {  # llama.cpp's mixes, as far as a test model needs them: tensor name suffix -> type
+    "Q4_K_M": ("Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
+}
+
+
 def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
                       tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
     """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
     Q8_0, F32: what `gguf.quants.quantize` writes; or Q4_K / Q6_K, `quantize_q4_k` / `quantize_q6_k`), norms in F32. The tokenizer is copied from
-    `tokenizer_from`, or (None) a `small_vocab`-token one."""
+    `tokenizer_from`, or (None) a `small_vocab`-token one. A mix of `MIXES` (Q4_K_M) gives some tensors
+    another type, as llama.cpp's mix does in every layer (its own choice bumps only some layers)."""
     import gguf
     from gguf.quants import quantize
 
     K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
 
-    qtype = gguf.GGMLQuantizationType[tensor_type]
+    base, overrides = MIXES.get(tensor_type, (tensor_type, {}))
     writer = gguf.GGUFWriter(str(path), "llama")
     vocab = _copy_tokenizer(writer, tokenizer_from) if tokenizer_from else _small_tokenizer(writer, small_vocab)
     writer.add_block_count(shape.layers)
@@ -153,6 +159,7 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
     # NOTE: the writer keeps every added tensor in memory until it writes them; a 1.1B model in
     # Q4_0 holds ~0.7 GB that way, which is fine here (the float values are made one at a time).
     for name, dims in matrices.items():
+        qtype = gguf.GGMLQuantizationType[next((t for end, t in overrides.items() if name.endswith(end)), base)]
         values = (rng.standard_normal(dims, dtype=np.float32) * 0.02)
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, values)

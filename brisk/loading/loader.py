@@ -178,10 +178,17 @@ def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str,
 
 
 def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
-    for base in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
+    """Quantized weights -> float ones (a stacked projection's parts, `name.parts.{i}`, into one `name.weight`)."""
+    for base in sorted(n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")):
+        bits = quant.QuantFormat.of(tensors, base).bits
         qweight, scales, mins, subscales = (tensors.pop(f"{base}.{s}", None) for s in quant.QUANT_SUFFIXES)
-        bits = 16 if qweight.dtype in quant.HALF_NAMES else 4 if qweight.dtype == torch.uint8 else 8
         tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits, subscales=subscales)
+    for name in sorted(n for n in tensors if n.endswith(f"{quant.PARTS}0.weight")):
+        stacked = name.removesuffix(f"{quant.PARTS}0.weight")
+        parts = []
+        while f"{stacked}{quant.PARTS}{len(parts)}.weight" in tensors:
+            parts.append(tensors.pop(f"{stacked}{quant.PARTS}{len(parts)}.weight"))
+        tensors[f"{stacked}.weight"] = torch.cat(parts)
 
 
 def _check_memory(source: Path, model_dir: Path, quantization: str, max_model_len: int | None,

@@ -11,7 +11,10 @@ dtype of `qweight` gives the bit width, the presence of `mins` the offsets. int4
 whose rows fill tiles of 8 are stored tiled instead (3-D tensors: `qweight` [N/8, K/32, 128] for
 int4, [N/8, K/32, 256] for int8, `scales` and `mins` [N/8, K/32, 8]; `brisk.kernels.tile_int4` /
 `tile_int8`), the layout the kernel reads fastest at every row count; the number of dimensions
-tells the layout.
+tells the layout. GGUF K-quants keep their super-block scales in tiles (`subscales`; Q4_K as int4,
+Q6_K as int6 in tiles of 192 bytes a block, see `QuantFormat.superblocks`), and a fused projection
+whose parts come in different types (a Q4_K_M layer's Q4_K q/k and Q6_K v) is stored as its parts,
+`name.parts.{i}.*` (`StackedQuantLinear`).
 
 The matmul runs brisk's compiled kernel (`brisk.kernels`) straight from those tensors, which
 on a warm start are views of the memory-mapped cache: nothing is unpacked or copied.
@@ -138,6 +141,38 @@ class QuantLinear(_Blocks):
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], self.out_features)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+class StackedQuantLinear(nn.Module):
+    """A fused projection whose parts keep different quantized formats (a GGUF Q4_K_M layer's Q4_K
+    attn_q/attn_k with its Q6_K attn_v): `parts` (QuantLinear each, their output rows stacked in
+    order), one bias over all of them. The checkpoint stores `name.parts.{i}.*` for each part."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, QuantFormat]], bias: bool):
+        super().__init__()
+        self.parts = nn.ModuleList(QuantLinear(in_features, rows, False, fmt) for rows, fmt in parts)
+        self.in_features, self.out_features = in_features, sum(rows for rows, _ in parts)
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    @property
+    def format_name(self) -> str:
+        return " & ".join(p.fmt.name for p in self.parts)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantized(dtype) for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+PARTS = ".parts."  # a stacked projection's parts in the checkpoint: `name.parts.{i}.qweight`
+
+
+def part_rows(tensors: dict[str, torch.Tensor], prefix: str, fmt: QuantFormat) -> int:
+    """The output rows of the quantized weight stored at `prefix` (tiled, or the row layout)."""
+    qweight = tensors[f"{prefix}.qweight"]
+    return qweight.shape[0] * (kernels.TILE_ROWS if fmt.tiled else 1)
 
 
 class QuantEmbedding(_Blocks):
@@ -278,6 +313,19 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], tie_word_embeddi
     formats: dict[str, str] = {}
     for name, module in list(model.named_modules()):
         fmt = QuantFormat.of(tensors, name)
+        if fmt is None and f"{name}{PARTS}0.qweight" in tensors and isinstance(module, nn.Linear):
+            prefixes = []
+            while f"{name}{PARTS}{len(prefixes)}.qweight" in tensors:
+                prefixes.append(f"{name}{PARTS}{len(prefixes)}")
+            parts = [(part_rows(tensors, p, f), f) for p, f in ((p, QuantFormat.of(tensors, p)) for p in prefixes)]
+            if sum(rows for rows, _ in parts) != module.out_features or any(f.bits == 16 for _, f in parts):
+                raise BriskError(f"checkpoint tensors {name}{PARTS}* do not make up {name} "
+                                 f"({module.out_features} rows); convert the model again")
+            replacement = StackedQuantLinear(module.in_features, parts, module.bias is not None)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+            formats[name] = replacement.format_name
+            continue
         if fmt is None:
             continue
         if isinstance(module, nn.Embedding):
