@@ -15,18 +15,30 @@ activation quantization from the weights' own), and `bf16`/`f16` (the reference'
 rounded to 16 bits and run by half_matmul.cpp with float32 activations: what a bfloat16 or float16
 checkpoint of the same model gives).
 
+With `--llama-quantize PATH --gguf-types Q4_K_M,Q5_K_M,Q6_K,Q8_0`, also the GGUF files llama.cpp's
+own quantizer writes from the demo GGUF (`--allow-requantize`: from the same dequantized weights the
+reference runs), each served as brisk serves such a file (`auto`). The demo's hidden size (576) is
+not a multiple of 256, so llama-quantize gives the K-types only to the matrices whose rows are
+(ffn_down, 1536 wide) and its fallback types to the others; each row names the types in the file.
+
     .venv/bin/python benchmarks/quant_accuracy.py [--min-positions 2000]
+        [--llama-quantize PATH --gguf-types Q4_K_M,Q5_K_M,Q6_K,Q8_0 --work DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import subprocess
+from pathlib import Path
 from unittest import mock
 
 import torch
 
 from brisk import kernels
+from brisk.loading.gguf_header import read_gguf_header
 from brisk.loading.loader import load
+from brisk.models.registry import resolve
 from brisk.models.simple_cache import SingleSequenceCache
 
 TEXTS = [
@@ -83,6 +95,24 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, float
             "max_logit_diff": float((r - g).abs().max())}
 
 
+def llama_quantized(source: Path, qtype: str, work: Path, llama_quantize: str) -> Path:
+    """`source` requantized by llama.cpp's quantizer to `qtype` (made once, kept in `work`)."""
+    out = work / f"{source.stem}-{qtype}.gguf"
+    if not out.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([llama_quantize, "--allow-requantize", str(source), str(tmp), qtype], check=True,
+                       capture_output=True, text=True)
+        tmp.rename(out)
+    return out
+
+
+def file_types(path: Path) -> str:
+    """The quantized types of a GGUF's matrices, with counts."""
+    counts = collections.Counter(t.type_name for t in read_gguf_header(path).tensors if len(t.shape) == 2)
+    return ", ".join(f"{n} {t}" for t, n in counts.most_common())
+
+
 def float_activation_matmul(x, qweight, scales, mins, bits):
     return kernels.reference_matmul(x, qweight, scales, mins, bits, quantized_activations=False)
 
@@ -91,6 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--min-positions", type=int, default=2000)
+    parser.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize, for --gguf-types")
+    parser.add_argument("--gguf-types", default="Q4_K_M,Q5_K_M,Q6_K,Q8_0")
+    parser.add_argument("--work", type=Path, default=Path(__file__).resolve().parent / "peers" / ".work")
     args = parser.parse_args()
     reference = load(args.model, quantization="none")
     tokenizer = reference.tokenizer
@@ -106,6 +139,11 @@ def main() -> None:
     runs = [("auto", "auto", False, args.model), ("auto, float activations", "auto", True, args.model),
             ("int8", "int8", False, args.model), ("int4", "int4", False, args.model),
             ("bf16", "bf16", False, float_dir), ("f16", "f16", False, float_dir)]
+    if args.llama_quantize:
+        demo = Path(args.model) if args.model else resolve("smollm2-135m-instruct").path
+        for qtype in args.gguf_types.split(","):
+            path = llama_quantized(demo, qtype, args.work, args.llama_quantize)
+            runs.append((f"GGUF {qtype} by llama-quantize [{file_types(path)}]", "auto", False, str(path)))
     for label, mode, float_acts, source in runs:
         loaded = load(source, quantization=mode)
         if float_acts:

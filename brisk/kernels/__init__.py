@@ -33,7 +33,7 @@ log = logging.getLogger("brisk.kernels")
 
 QK = 32  # weights per quantization block
 TILE_ROWS = 8  # weight rows per tile of the tiled int4 and int8 layouts
-TILE_BYTES = {4: 128, 6: 192, 8: 256}  # bytes per tile and block of 32 weights
+TILE_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}  # bytes per tile and block of 32 weights
 PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
 _lib: ctypes.CDLL | None = None
@@ -283,7 +283,7 @@ def _tile_side(t: torch.Tensor | None, n: int, nb: int) -> torch.Tensor | None:
     return None if t is None else t.view(n // TILE_ROWS, TILE_ROWS, nb).transpose(1, 2).contiguous()
 
 
-def _untile_side(t: torch.Tensor | None, n: int, nb: int) -> torch.Tensor | None:
+def untile_side(t: torch.Tensor | None, n: int, nb: int) -> torch.Tensor | None:
     return None if t is None else t.transpose(1, 2).reshape(n, nb)
 
 
@@ -293,7 +293,7 @@ def untile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     tiles, nb, _ = qweight.shape
     n = tiles * TILE_ROWS
     rows = qweight.view(tiles, nb, 8, TILE_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(n, nb * QK)
-    return rows.contiguous(), _untile_side(scales, n, nb), _untile_side(mins, n, nb)
+    return rows.contiguous(), untile_side(scales, n, nb), untile_side(mins, n, nb)
 
 
 SUPER = 8  # blocks of 32 per super-block of 256 weights (GGUF's K-quants)
@@ -303,9 +303,9 @@ def tile_superblocks(supers: torch.Tensor, super_mins: torch.Tensor | None, subs
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The scales of K-quants kept as stored, row layout -> tiled: `supers`/`super_mins` float16 [N, K/256]
     (d, dmin) -> [N/8, K/256, 8]; `subscales` [N, K/32, 2] -> [N/8, K/32, 16] (the tile's 8 rows' first,
-    then their second). GGUF Q4_K (quant_matmul.cpp, `tile_scales`): uint8 6-bit sc and mn per block of
-    32, the weights tiled as `tile_int4`'s; Q6_K (no mins): int8 sc of each block's two 16s, the weights
-    as `tile_int6`'s."""
+    then their second). GGUF Q4_K and Q5_K (quant_matmul.cpp, `tile_scales`): uint8 6-bit sc and mn per
+    block of 32, the weights tiled as `tile_int4`'s / `tile_int5`'s; Q6_K (no mins): int8 sc of each
+    block's two 16s, the weights as `tile_int6`'s."""
     n, nb, _ = subscales.shape
     sub = subscales.view(n // TILE_ROWS, TILE_ROWS, nb, 2).permute(0, 2, 3, 1).reshape(n // TILE_ROWS, nb, 16)
     return _tile_side(supers, n, nb // SUPER), _tile_side(super_mins, n, nb // SUPER), sub.contiguous()
@@ -320,6 +320,36 @@ def superblock_scales(supers: torch.Tensor, super_mins: torch.Tensor, subscales:
     d = supers.float().repeat_interleave(SUPER, dim=1)
     dmin = super_mins.float().repeat_interleave(SUPER, dim=1)
     return d * sub[:, :, 0], -(dmin * sub[:, :, 1])
+
+
+def tile_int5(q: torch.Tensor) -> torch.Tensor:
+    """5-bit values [N, K] (uint8 in [0, 31]) -> the tiled int5 layout (quant_matmul.cpp, "int5 and int6 in
+    tiles of 8 weight rows"): [N/8, K/32, 160], per tile and block int4's 128 bytes of the low 4 bits, then
+    32 bytes of top bits (row j, byte e: bit u = weight 4u + e)."""
+    n, k = q.shape
+    if n % TILE_ROWS:
+        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
+    nb = k // QK
+    low = tile_int4(pack_int4(q & 0x0F), None, None)[0]
+    top = (q >> 4).view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4).permute(0, 2, 1, 4, 3)  # [tile, block, row, e, u]
+    packed = (top << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)  # an or: no bits overlap
+    return torch.cat([low, packed.reshape(n // TILE_ROWS, nb, 32)], dim=2).contiguous()
+
+
+def untile_int5(qweight: torch.Tensor) -> torch.Tensor:
+    """The tiled int5 layout -> 5-bit values [N, K] (the inverse of `tile_int5`)."""
+    tiles, nb, _ = qweight.shape
+    n = tiles * TILE_ROWS
+    low = unpack_int4(untile_int4(qweight[:, :, :128], None, None)[0])
+    top = (qweight[:, :, 128:].reshape(tiles, nb, TILE_ROWS, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return low | (top.permute(0, 2, 1, 4, 3).reshape(n, nb * QK) << 4)  # [row, block, u, e]
+
+
+def untile_values(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """A tiled weight's values [N, K] (uint8; int8 for bits 8), as the row layout holds them unpacked."""
+    if bits == 4:
+        return unpack_int4(untile_int4(qweight, None, None)[0])
+    return {5: untile_int5, 6: untile_int6}[bits](qweight) if bits in (5, 6) else untile_int8(qweight, None, None)[0]
 
 
 def tile_int6(q: torch.Tensor) -> torch.Tensor:
@@ -354,7 +384,7 @@ def int6_rows(qweight: torch.Tensor, supers: torch.Tensor, subscales: torch.Tens
     0..63), d [N, K/256] float16 and sc [N, K/16] int8."""
     tiles, nb, _ = subscales.shape
     sc = subscales.view(tiles, nb, 2, TILE_ROWS).permute(0, 3, 1, 2).reshape(tiles * TILE_ROWS, nb * 2)
-    return untile_int6(qweight), _untile_side(supers, tiles * TILE_ROWS, nb // SUPER), sc
+    return untile_int6(qweight), untile_side(supers, tiles * TILE_ROWS, nb // SUPER), sc
 
 
 def dequantize_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dtype: torch.dtype = torch.float32
@@ -374,7 +404,7 @@ def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     q = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [tile, block, step, row, e]
     values = q.permute(0, 3, 1, 2, 4).reshape(n, nb, QK)  # [row, block, 32 weights]
     rows = (values[:, :, :QK // 2] | (values[:, :, QK // 2:] << 4)).reshape(n, nb * QK // 2)
-    return rows.contiguous(), _untile_side(scales, n, nb), _untile_side(mins, n, nb)
+    return rows.contiguous(), untile_side(scales, n, nb), untile_side(mins, n, nb)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None, bits: int,
@@ -389,8 +419,16 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.T
     if subscales is not None:
         scales, mins = superblock_scales(scales, mins, subscales)
     if qweight.dim() == 3:
-        qweight, scales, mins = (untile_int4 if bits == 4 else untile_int8)(qweight, scales, mins)
-    q = unpack_int4(qweight) if bits == 4 else qweight
+        n, nb = qweight.shape[0] * TILE_ROWS, qweight.shape[1]
+        q, scales, mins = untile_values(qweight, bits), untile_side(scales, n, nb), untile_side(mins, n, nb)
+    else:
+        q = unpack_int4(qweight) if bits == 4 else qweight
+    return dequantize_values(q, scales, mins, bits, dtype)
+
+
+def dequantize_values(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row-layout values [N, K] (unpacked) with per-block scales (and offsets) [N, K/32] -> [N, K]."""
     n, k = q.shape
     d = scales.float().view(n, k // QK, 1)
     q = q.view(n, k // QK, QK).float()

@@ -12,8 +12,8 @@
 //
 // int4 and int8 also come in tiled layouts of 8 weight rows (see "int4 in tiles of 8 weight rows" and
 // "int8 in tiles of 8 weight rows" below), which brisk's conversion writes for linear layers and
-// token embeddings; GGUF Q6_K is kept as stored in a third tiled layout ("int6 in tiles of 8 weight
-// rows").
+// token embeddings; GGUF Q5_K and Q6_K are kept as stored in tiled layouts of their own ("int5 and
+// int6 in tiles of 8 weight rows").
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py); threads come from OpenMP, the
 // same libgomp that PyTorch already loaded, so they share its thread team.
@@ -629,83 +629,130 @@ float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, in
     return acc;
 }
 
-// ---------------------------------------------------------------- int6 in tiles of 8 weight rows
+// ---------------------------------------------------------------- int5 and int6 in tiles of 8 weight rows
 //
-// GGUF Q6_K kept as stored (`tiled`, bits 6, N a multiple of 8; brisk.kernels.tile_int6 writes it at
-// conversion). A weight is w = d * sc * (q - 32): q in [0, 63], sc a signed 8-bit scale per 16 weights,
-// d a float16 per 256. For tile t and block b, 192 bytes at q + (t * nb + b) * 192:
-//   bytes 0..127: q's low 4 bits as int4's tile (vector v, row j, byte e: low nibble weight 4v+e,
+// GGUF Q5_K and Q6_K kept as stored (`tiled`, bits 5 or 6, N a multiple of 8; brisk.kernels.tile_int5 /
+// tile_int6 write them at conversion). Both are int4's tile of each weight's low 4 bits plus planes of
+// its top bits; for tile t and block b, BYTES(bits) at q + (t * nb + b) * BYTES:
+//   bytes 0..127: the low 4 bits as int4's tile (vector v, row j, byte e: low nibble weight 4v+e,
 //     high nibble weight 16+4v+e);
-//   bytes 128..159 (h0) and 160..191 (h1): q's top 2 bits; byte 4j+e of h_k holds, at bits 2v..2v+1,
-//     those of row j's weight 16k+4v+e.
-// That is 6 bits a weight, as in the file; with the scales 6.5625 (Q6_K's own 210 bytes per 256).
-// `d`: [tiles][nb/8][8] float16, the tile's rows side by side per 256; `sub`: [tiles][nb][16] int8,
-// the tile's 8 rows' sc of weights 0..15, then of weights 16..31.
-//
-// The nibble split is also the scale split: vectors 0-3's low nibbles are the block's first 16
-// weights. Each half's integer sum S_k = sum q x is exact in int32, and so is the block's
-//   T = sc_0 (S_0 - 32 X_0) + sc_1 (S_1 - 32 X_1)   (X_k the activations' half sums, from the quantizer)
-// (|T| <= 2 * 128 * 16 * 32 * 127 < 2^24, so also exact as a float), then acc = fma(T, d * dx, acc):
-// the same float steps on every path and row count, so every path gives the same bits, alone or
-// batched. q is unsigned, so AVX2's maddubs and VNNI's vpdpbusd take it as it is.
+//   int5, bytes 128..159: byte 4j+e holds at bit u the top bit of logical vector u's weight (u < 4: the
+//     low nibble's of vector u, u >= 4: the high nibble's of vector u-4);
+//   int6, bytes 128..159 (h0) and 160..191 (h1): byte 4j+e of h_k holds, at bits 2v..2v+1, the top 2
+//     bits of row j's weight 16k+4v+e.
+// So 5 and 6 bits a weight, as in the files. q is unsigned (0..31, 0..63): AVX2's maddubs and VNNI's
+// vpdpbusd take it as it is. Scales:
+//   int5 (Q5_K: w = d * sc * q - dmin * mn): Q4_K's super-block scales (`sub` uint8, tile_scales), and
+//     Q4_K's float steps per block: acc = fma(tot, d * sc * dx, acc); acc = fma(-(dmin * mn), ys, acc).
+//   int6 (Q6_K: w = d * sc * (q - 32)): `d` [tiles][nb/8][8] float16 per 256, `sub` [tiles][nb][16] int8:
+//     the tile's 8 rows' sc of weights 0..15, then of 16..31. The nibble split is also the scale split
+//     (vectors 0-3's low nibbles are the first 16 weights), so each half's integer sum S_k is kept and
+//       T = sc_0 (S_0 - 32 X_0) + sc_1 (S_1 - 32 X_1)   (X_k the activations' half sums, from the quantizer)
+//     is exact in int32 (|T| <= 2 * 128 * 16 * 32 * 127 < 2^24, so also as a float); then
+//     acc = fma(T, d * dx, acc). (The VNNI loop forms T in float: each product and the sum stay below
+//     2^24, so it is exact there too, and vpmulld, slower than the float multiply, is avoided: 64 rows
+//     of a 14336x4096 matrix took 60.6 ms with it and 42.4 ms without.)
+// Integer sums are exact and the float steps the same on every path and row count: every path gives
+// the same bits, alone or batched.
 
-// The top 2 bits of vector v's weights at bits 4..5 of each byte (16-bit shifts: what crosses a byte
-// boundary is masked off by the caller).
+template <int BITS> constexpr int64_t high_bytes() { return BITS == 5 ? 160 : 192; }
+
+// Bits 2V..2V+1 of each byte moved to bits 4..5 (the rest of the byte is masked off by the caller).
 template <int V>
-__attribute__((target("avx2,fma,f16c"))) inline __m256i top_bits(__m256i h) {
+__attribute__((target("avx2"))) inline __m256i bits_2v_at_4(__m256i h) {
     return V == 0 ? _mm256_slli_epi16(h, 4) : V == 1 ? _mm256_slli_epi16(h, 2) : V == 2 ? h : _mm256_srli_epi16(h, 2);
 }
 
 template <int V>
-__attribute__((target("avx512f,avx512bw"))) inline __m512i top_bits(__m512i h) {
+__attribute__((target("avx512f,avx512bw"))) inline __m512i bits_2v_at_4(__m512i h) {
     return V == 0 ? _mm512_slli_epi16(h, 4) : V == 1 ? _mm512_slli_epi16(h, 2) : V == 2 ? h : _mm512_srli_epi16(h, 2);
 }
 
-// Vector V of a 6-bit block's first (lo) and second (hi) 16 weights, as bytes 0..63.
-template <int V>
-__attribute__((target("avx2,fma,f16c")))
-inline void int6_vectors(const uint8_t* blk, __m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
-    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + V * 32));
-    lo = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(top_bits<V>(h0), top));
-    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(top_bits<V>(h1), top));
+// Vector V's top bits at bit 4 (int5) or bits 4..5 (int6) of each byte, for the block's first (lo) and
+// second (hi) 16 weights. 16-bit shifts: for these shift counts a byte's target bits come from the
+// same byte, and what crosses from its neighbour is masked off.
+template <int BITS, int V>
+__attribute__((target("avx2,fma,f16c"))) inline void top_bits(__m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
+    if constexpr (BITS == 5) {
+        const __m256i bit = _mm256_set1_epi8(0x10);
+        lo = _mm256_and_si256(_mm256_slli_epi16(h0, 4 - V), bit);
+        hi = _mm256_and_si256(_mm256_srli_epi16(h0, V), bit);
+    } else {
+        const __m256i two = _mm256_set1_epi8(0x30);
+        lo = _mm256_and_si256(bits_2v_at_4<V>(h0), two);
+        hi = _mm256_and_si256(bits_2v_at_4<V>(h1), two);
+    }
 }
 
-template <int V>
+template <int BITS, int V>
+__attribute__((target("avx512f,avx512bw"))) inline void top_bits(__m512i h0, __m512i h1, __m512i& lo, __m512i& hi) {
+    if constexpr (BITS == 5) {
+        const __m512i bit = _mm512_set1_epi8(0x10);
+        lo = _mm512_and_si512(_mm512_slli_epi16(h0, 4 - V), bit);
+        hi = _mm512_and_si512(_mm512_srli_epi16(h0, V), bit);
+    } else {
+        const __m512i two = _mm512_set1_epi8(0x30);
+        lo = _mm512_and_si512(bits_2v_at_4<V>(h0), two);
+        hi = _mm512_and_si512(bits_2v_at_4<V>(h1), two);
+    }
+}
+
+// Vector V of a block: the first and second 16 weights' values, one byte each.
+template <int BITS, int V>
+__attribute__((target("avx2,fma,f16c")))
+inline void high_vectors(const uint8_t* blk, __m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + V * 32));
+    __m256i tlo, thi;
+    top_bits<BITS, V>(h0, h1, tlo, thi);
+    lo = _mm256_or_si256(_mm256_and_si256(raw, low), tlo);
+    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), thi);
+}
+
+template <int BITS, int V>
 __attribute__((target("avx512f,avx512bw,avx2")))
-inline void int6_vectors(const uint8_t* b0, const uint8_t* b1, __m512i h0, __m512i h1, __m512i& lo, __m512i& hi) {
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+inline void high_vectors(const uint8_t* b0, const uint8_t* b1, __m512i h0, __m512i h1, __m512i& lo, __m512i& hi) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + V * 32))),
                                            _mm256_loadu_si256((const __m256i*)(b1 + V * 32)), 1);
-    lo = _mm512_or_si512(_mm512_and_si512(raw, low), _mm512_and_si512(top_bits<V>(h0), top));
-    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), _mm512_and_si512(top_bits<V>(h1), top));
+    __m512i tlo, thi;
+    top_bits<BITS, V>(h0, h1, tlo, thi);
+    lo = _mm512_or_si512(_mm512_and_si512(raw, low), tlo);
+    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), thi);
 }
 
-constexpr int64_t INT6_BYTES = 192;
+inline __attribute__((target("avx2"))) __m256i load32(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
-template <int MT>
+template <int BITS, int MT>
 __attribute__((target("avx2,fma,f16c")))
-void tile6_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+void tile_high_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    constexpr int64_t BYTES = high_bytes<BITS>();
     const int64_t nb = K / QK;
-    const uint8_t* wt = w.q + tile * nb * INT6_BYTES;
+    const uint8_t* wt = w.q + tile * nb * BYTES;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = wt + b * INT6_BYTES;
-        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(blk + 128));
-        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(blk + 160));
+        const uint8_t* blk = wt + b * BYTES;
+        const __m256i h0 = load32(blk + 128), h1 = BITS == 6 ? load32(blk + 160) : h0;
         __m256i lo[4], hi[4];
-        int6_vectors<0>(blk, h0, h1, lo[0], hi[0]);
-        int6_vectors<1>(blk, h0, h1, lo[1], hi[1]);
-        int6_vectors<2>(blk, h0, h1, lo[2], hi[2]);
-        int6_vectors<3>(blk, h0, h1, lo[3], hi[3]);
-        const uint8_t* s = w.sub + (tile * nb + b) * 16;
-        const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)s));
-        const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(s + 8)));
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * (nb / 8) + b / 8) * NR)));
+        high_vectors<BITS, 0>(blk, h0, h1, lo[0], hi[0]);
+        high_vectors<BITS, 1>(blk, h0, h1, lo[1], hi[1]);
+        high_vectors<BITS, 2>(blk, h0, h1, lo[2], hi[2]);
+        high_vectors<BITS, 3>(blk, h0, h1, lo[3], hi[3]);
+        __m256 d8, m8;
+        __m256i sc0, sc1;
+        if constexpr (BITS == 5) {
+            tile_scales(w, tile, b, nb, d8, m8);
+        } else {
+            const uint8_t* s = w.sub + (tile * nb + b) * 16;
+            sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)s));
+            sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(s + 8)));
+            d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * (nb / 8) + b / 8) * NR)));
+        }
         for (int i = 0; i < MT; i++) {
             const int8_t* yb = a.q + (r0 + i) * K + b * QK;
+            const int64_t at = (r0 + i) * nb + b;
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
             for (int v = 0; v < 4; v += 2) {  // two vectors' int16 products: |sum| <= 4 * 63 * 127 < 2^15
                 int32_t y[4];
@@ -718,61 +765,93 @@ void tile6_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64
                     _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(y[2])),
                     _mm256_maddubs_epi16(hi[v + 1], _mm256_set1_epi32(y[3]))), ones));
             }
-            const int32_t x0 = a.h[(r0 + i) * nb + b], x1 = a.n[(r0 + i) * nb + b] - x0;
-            const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * x0))),
-                                               _mm256_mullo_epi32(sc1, _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * x1))));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
-                                     acc[i]);
+            if constexpr (BITS == 5) {
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                                         _mm256_mul_ps(d8, _mm256_set1_ps(a.d[at])), acc[i]);
+                acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(a.s[at]), acc[i]);
+            } else {
+                const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+                const __m256i t = _mm256_add_epi32(
+                    _mm256_mullo_epi32(sc0, _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * x0))),
+                    _mm256_mullo_epi32(sc1, _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * x1))));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[at])), acc[i]);
+            }
         }
     }
     for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
 }
 
-// Two tiles (16 rows) with VNNI in a zmm, as tile8_pair_vnni. (An odd last tile takes tile6_rows.)
-template <int MT>
+__attribute__((target("avx512f,avx2"))) inline __m512i load2x32(const uint8_t* p0, const uint8_t* p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
+                              _mm256_loadu_si256((const __m256i*)p1), 1);
+}
+
+__attribute__((target("avx512f,avx2"))) inline __m512 join(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+// Two tiles (16 rows) with VNNI in a zmm, as tile8_pair_vnni. (An odd last tile takes tile_high_rows.)
+template <int BITS, int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-void tile6_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out,
+                         int64_t N) {
+    constexpr int64_t BYTES = high_bytes<BITS>();
     const int64_t nb = K / QK;
-    const uint8_t* w0 = w.q + tile * nb * INT6_BYTES;
-    const uint8_t* w1 = w0 + nb * INT6_BYTES;
+    const uint8_t* w0 = w.q + tile * nb * BYTES;
+    const uint8_t* w1 = w0 + nb * BYTES;
     __m512 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* b0 = w0 + b * INT6_BYTES;
-        const uint8_t* b1 = w1 + b * INT6_BYTES;
-        const __m512i h0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 128))),
-                                              _mm256_loadu_si256((const __m256i*)(b1 + 128)), 1);
-        const __m512i h1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 160))),
-                                              _mm256_loadu_si256((const __m256i*)(b1 + 160)), 1);
+        const uint8_t* b0 = w0 + b * BYTES;
+        const uint8_t* b1 = w1 + b * BYTES;
+        const __m512i h0 = load2x32(b0 + 128, b1 + 128), h1 = BITS == 6 ? load2x32(b0 + 160, b1 + 160) : h0;
         __m512i lo[4], hi[4];
-        int6_vectors<0>(b0, b1, h0, h1, lo[0], hi[0]);
-        int6_vectors<1>(b0, b1, h0, h1, lo[1], hi[1]);
-        int6_vectors<2>(b0, b1, h0, h1, lo[2], hi[2]);
-        int6_vectors<3>(b0, b1, h0, h1, lo[3], hi[3]);
-        const uint8_t* s0p = w.sub + (tile * nb + b) * 16;
-        const uint8_t* s1p = s0p + nb * 16;  // the next tile's
-        const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)s0p),
-                                                                    _mm_loadl_epi64((const __m128i*)s1p)));
-        const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(s0p + 8)),
-                                                                    _mm_loadl_epi64((const __m128i*)(s1p + 8))));
-        const uint16_t* dp = w.d + (tile * (nb / 8) + b / 8) * NR;
-        const __m512 d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)dp)),
-            _mm_loadu_si128((const __m128i*)(dp + (nb / 8) * NR)), 1));
+        high_vectors<BITS, 0>(b0, b1, h0, h1, lo[0], hi[0]);
+        high_vectors<BITS, 1>(b0, b1, h0, h1, lo[1], hi[1]);
+        high_vectors<BITS, 2>(b0, b1, h0, h1, lo[2], hi[2]);
+        high_vectors<BITS, 3>(b0, b1, h0, h1, lo[3], hi[3]);
+        __m512 d16, m16;
+        __m512i sc0, sc1;
+        if constexpr (BITS == 5) {
+            __m256 da, ma, db, mb;
+            tile_scales(w, tile, b, nb, da, ma);
+            tile_scales(w, tile + 1, b, nb, db, mb);
+            d16 = join(da, db);
+            m16 = join(ma, mb);
+        } else {
+            const uint8_t* s0p = w.sub + (tile * nb + b) * 16;
+            const uint8_t* s1p = s0p + nb * 16;  // the next tile's
+            sc0 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+                _mm_loadl_epi64((const __m128i*)s0p), _mm_loadl_epi64((const __m128i*)s1p)))));
+            sc1 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+                _mm_loadl_epi64((const __m128i*)(s0p + 8)), _mm_loadl_epi64((const __m128i*)(s1p + 8))))));
+            const uint16_t* dp = w.d + (tile * (nb / 8) + b / 8) * NR;
+            d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)dp)),
+                                                          _mm_loadu_si128((const __m128i*)(dp + (nb / 8) * NR)), 1));
+        }
         for (int i = 0; i < MT; i++) {
             typedef int32_t __attribute__((may_alias)) group_t;
             const group_t* y = reinterpret_cast<const group_t*>(a.q + (r0 + i) * K + b * QK);
+            const int64_t at = (r0 + i) * nb + b;
             __m512i s_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(y[0]));
             __m512i s_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(y[4]));
             for (int v = 1; v < 4; v++) {
                 s_lo = _mm512_dpbusd_epi32(s_lo, lo[v], _mm512_set1_epi32(y[v]));
                 s_hi = _mm512_dpbusd_epi32(s_hi, hi[v], _mm512_set1_epi32(y[v + 4]));
             }
-            const int32_t x0 = a.h[(r0 + i) * nb + b], x1 = a.n[(r0 + i) * nb + b] - x0;
-            const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(s_lo, _mm512_set1_epi32(32 * x0))),
-                                               _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s_hi, _mm512_set1_epi32(32 * x1))));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d16, _mm512_set1_ps(a.d[(r0 + i) * nb + b])),
-                                     acc[i]);
+            if constexpr (BITS == 5) {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s_lo, s_hi)),
+                                         _mm512_mul_ps(d16, _mm512_set1_ps(a.d[at])), acc[i]);
+                acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(a.s[at]), acc[i]);
+            } else {
+                // T in float: every product and the sum are below 2^24, so exact: the integer T's bits
+                const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+                const __m512 t = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(s_lo, _mm512_set1_epi32(32 * x0))), _mm512_castsi512_ps(sc0),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s_hi, _mm512_set1_epi32(32 * x1))),
+                                  _mm512_castsi512_ps(sc1)));
+                acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d16, _mm512_set1_ps(a.d[at])), acc[i]);
+            }
         }
     }
     for (int i = 0; i < MT; i++) {
@@ -782,27 +861,37 @@ void tile6_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, 
     }
 }
 
-// Weight row n of the tiled int6 layout, one activation row, portable: the same integer and float steps.
-float dot_scalar_tiled6(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+// Weight row n of the tiled int5/int6 layout, one activation row, portable: the same integer and float steps.
+template <int BITS>
+float dot_scalar_tiled_high(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+    constexpr int64_t BYTES = high_bytes<BITS>();
     const int64_t nb = K / QK, tile = n / NR, j = n % NR;
     float acc = 0.f;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = w.q + (tile * nb + b) * INT6_BYTES;
+        const uint8_t* blk = w.q + (tile * nb + b) * BYTES;
         const int8_t* y = a.q + r * K + b * QK;
         int32_t s0 = 0, s1 = 0;
         for (int v = 0; v < 4; v++)
             for (int e = 0; e < 4; e++) {
                 const int at = 4 * (int)j + e, byte = blk[v * 32 + at];
-                const int q0 = (byte & 0x0F) | (((blk[128 + at] >> (2 * v)) & 3) << 4);
-                const int q1 = (byte >> 4) | (((blk[160 + at] >> (2 * v)) & 3) << 4);
-                s0 += q0 * y[4 * v + e];
-                s1 += q1 * y[16 + 4 * v + e];
+                const int top0 = BITS == 5 ? ((blk[128 + at] >> v) & 1) << 4 : ((blk[128 + at] >> (2 * v)) & 3) << 4;
+                const int top1 = BITS == 5 ? ((blk[128 + at] >> (v + 4)) & 1) << 4
+                                           : ((blk[160 + at] >> (2 * v)) & 3) << 4;
+                s0 += ((byte & 0x0F) | top0) * y[4 * v + e];
+                s1 += ((byte >> 4) | top1) * y[16 + 4 * v + e];
             }
-        const int8_t* sc = reinterpret_cast<const int8_t*>(w.sub) + (tile * nb + b) * 16;
-        const int32_t x0 = a.h[r * nb + b], x1 = a.n[r * nb + b] - x0;
-        const int32_t t = sc[j] * (s0 - 32 * x0) + sc[8 + j] * (s1 - 32 * x1);
-        const float d = f16_to_f32(w.d[(tile * (nb / 8) + b / 8) * NR + j]);
-        acc = std::fma((float)t, d * a.d[r * nb + b], acc);
+        const int64_t at = r * nb + b;
+        if constexpr (BITS == 5) {
+            float d, m;
+            tile_scale(w, tile, b, nb, j, d, m);
+            acc = std::fma((float)(s0 + s1), d * a.d[at], acc);
+            acc = std::fma(m, a.s[at], acc);
+        } else {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(w.sub) + (tile * nb + b) * 16;
+            const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+            const int32_t t = sc[j] * (s0 - 32 * x0) + sc[8 + j] * (s1 - 32 * x1);
+            acc = std::fma((float)t, f16_to_f32(w.d[(tile * (nb / 8) + b / 8) * NR + j]) * a.d[at], acc);
+        }
     }
     return acc;
 }
@@ -839,7 +928,7 @@ constexpr int64_t ROWS_PER_TASK = 8;  // weight rows a thread takes at a time (s
 constexpr int MT = 4;                 // activation rows per register tile
 
 // The kernels of a tiled layout whose tile pairs take VNNI at every row count (no nibbles to
-// unpack, or few enough that the pair pays from one row on): int8 and int6.
+// unpack, or few enough that the pair pays from one row on): int8, int6 and int5.
 struct Int8Tiles {
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
                                        int64_t N) { tile8_pair_vnni<MT>(w, t, a, r, K, out, N); }
@@ -850,13 +939,14 @@ struct Int8Tiles {
     }
 };
 
-struct Int6Tiles {
+template <int BITS>
+struct HighTiles {  // int5 and int6
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
-                                       int64_t N) { tile6_pair_vnni<MT>(w, t, a, r, K, out, N); }
+                                       int64_t N) { tile_high_pair_vnni<BITS, MT>(w, t, a, r, K, out, N); }
     template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
-                                      int64_t N) { tile6_rows<MT>(w, t, a, r, K, out, N); }
+                                      int64_t N) { tile_high_rows<BITS, MT>(w, t, a, r, K, out, N); }
     static float scalar(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
-        return dot_scalar_tiled6(w, n, a, r, K);
+        return dot_scalar_tiled_high<BITS>(w, n, a, r, K);
     }
 };
 
@@ -896,7 +986,8 @@ void matmul_tiles(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t
 
 void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
     if (w.tiled && w.bits == 8) return matmul_tiles<Int8Tiles>(w, a, M, N, K, out);
-    if (w.tiled && w.bits == 6) return matmul_tiles<Int6Tiles>(w, a, M, N, K, out);
+    if (w.tiled && w.bits == 6) return matmul_tiles<HighTiles<6>>(w, a, M, N, K, out);
+    if (w.tiled && w.bits == 5) return matmul_tiles<HighTiles<5>>(w, a, M, N, K, out);
     const bool avx2 = has_avx2(), vnni = kernel_isa() >= 3;
     // From 8 activation rows on, tiles two at a time (an odd last tile alone); below, the pair's
     // unpacking is not paid back (one TinyLlama layer's linears, same run: the pair loop 2.04x the

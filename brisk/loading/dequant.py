@@ -99,13 +99,21 @@ def dequant_q4_k(raw: np.ndarray) -> np.ndarray:
     return _k_quant_apply(b, _split_nibbles_64(b[:, 16:]))
 
 
-def dequant_q5_k(raw: np.ndarray) -> np.ndarray:
-    b = _blocks(raw, 2 + 2 + 12 + QK_K // 8 + QK_K // 2)
+Q5_K_BYTES = 2 + 2 + 12 + QK_K // 8 + QK_K // 2
+
+
+def q5_k_values(b: np.ndarray) -> np.ndarray:
+    """Q5_K blocks [n, 176] -> their 5-bit values [n, 8, 32] (sub-block, element)."""
     qh, qs = b[:, 16:48], b[:, 48:]
     low = _split_nibbles_64(qs)  # [n, 8, 32]
     bit_index = np.arange(8, dtype=np.uint8)[None, :, None]  # sub-block i uses bit i of qh
     high = (qh[:, None, :] >> bit_index) & 1  # [n, 8, 32]
-    return _k_quant_apply(b, low | (high << 4))
+    return low | (high << 4)
+
+
+def dequant_q5_k(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, Q5_K_BYTES)
+    return _k_quant_apply(b, q5_k_values(b))
 
 
 Q6_K_BYTES = QK_K // 2 + QK_K // 4 + QK_K // 16 + 2

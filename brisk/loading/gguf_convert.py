@@ -12,9 +12,10 @@ keeps its super-block scales (each row's float16 d/dmin per 256 and 6-bit sc/mn 
 4.625 bits a weight) in tiles (a weight whose rows do not fill tiles of 8 maps onto int4 with a
 float16 scale and offset per 32, exact up to rounding each block's `d * sc` to float16), Q6_K
 likewise keeps its 6-bit values and scales (each row's float16 d per 256, a signed 8-bit sc per 16;
-exact, 6.5625 bits a weight) in tiles of its own (rows that do not fill tiles: int8), and
-Q5_0/Q5_1/Q5_K, whose 5-bit values have no kernel, are requantized to int8 blocks from
-their dequantized values (a half int8 step of extra error).
+exact, 6.5625 bits a weight) and Q5_K its 5-bit values with Q4_K's scales (5.625 bits) in tiles
+of their own (rows that do not fill tiles: int8), and Q5_0/Q5_1, whose 5-bit values have no
+kernel, are requantized to int8 blocks from their dequantized values (a half int8 step of extra
+error).
 `none` dequantizes everything to float32; `int8`/`int4` requantize every weight matrix.
 Float matrices stored as F16 or BF16 (llama.cpp's `--outtype f16|bf16`) stay 16-bit in `auto`,
 bit for bit; the loader then keeps them so on CPU (`_auto_weights`), as for a bf16 safetensors
@@ -42,16 +43,17 @@ import torch
 
 from brisk.errors import ModelLoadError
 from brisk.kernels import QK, TILE_BYTES, TILE_ROWS
-from brisk.loading.dequant import DEQUANTIZERS, QK_K, _k_scales_mins, _split_nibbles_64, check_type, q6_k_parts
+from brisk.loading.dequant import (DEQUANTIZERS, Q5_K_BYTES, QK_K, _k_scales_mins, _split_nibbles_64, check_type,
+                                   q5_k_values, q6_k_parts)
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import PARTS, QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
 
 log = logging.getLogger("brisk.loading")
 
-CONVERT_VERSION = 9  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
+CONVERT_VERSION = 10  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
 # 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled; 8: Q4_K kept with its super-block scales;
-# 9: Q6_K kept as stored
+# 9: Q6_K kept as stored; 10: Q5_K too, and fused parts of different types stored apart
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -94,7 +96,7 @@ _PERMUTED = ("llama", "smollm3")
 NATIVE_FORMATS = {
     "Q4_0": QuantFormat(4, False), "Q4_1": QuantFormat(4, True), "Q4_K": QuantFormat(4, True, superblocks=True),
     "Q8_0": QuantFormat(8, False), "Q5_0": QuantFormat(8, False), "Q5_1": QuantFormat(8, False),
-    "Q5_K": QuantFormat(8, False), "Q6_K": QuantFormat(6, False, superblocks=True),
+    "Q5_K": QuantFormat(5, True, superblocks=True), "Q6_K": QuantFormat(6, False, superblocks=True),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 HALF_TYPES = ("F16", "BF16")  # kept as stored in `auto` (2-D tensors; vectors become F32)
@@ -158,18 +160,30 @@ def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]
             "mins": (-(dmin * mn)).astype(np.float16).reshape(rows, cols // QK)}
 
 
-def _repack_q4_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
-    """Q4_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: int4 blocks of 32,
-    each row's d and dmin per super-block (float16, as stored) and each block's 6-bit sc and mn
-    (uint8 [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_superblocks)."""
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, 2 + 2 + 12 + QK_K // 2)
+def _k_super_scales(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q4_K/Q5_K super-blocks' scales as stored: each row's d and dmin per super-block (float16) and each
+    block's 6-bit sc and mn (uint8 [rows, cols/32, 2])."""
     supers = cols // QK_K
     d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, supers)
     dmin = blocks[:, 2:4].copy().view(np.float16).reshape(rows, supers)
     sc, mn = _k_scales_mins(blocks[:, 4:16])  # [n, 8] each, exact small integers
+    return {"scales": d, "mins": dmin, "subscales": np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(rows, cols // QK, 2)}
+
+
+def _repack_q4_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q4_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: int4 blocks of 32
+    and the super-block scales (`_k_super_scales`); bytes move, no value is recomputed
+    (brisk.kernels.tile_superblocks)."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, 2 + 2 + 12 + QK_K // 2)
     q = _split_nibbles_64(blocks[:, 16:]).reshape(rows, cols)
-    sub = np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(rows, cols // QK, 2)
-    return {"qweight": pack_int4(torch.from_numpy(q)).numpy(), "scales": d, "mins": dmin, "subscales": sub}
+    return {"qweight": pack_int4(torch.from_numpy(q)).numpy(), **_k_super_scales(blocks, rows, cols)}
+
+
+def _repack_q5_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q5_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: 5-bit values (uint8
+    [rows, cols]) and the super-block scales as Q4_K's (brisk.kernels.tile_int5)."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, Q5_K_BYTES)
+    return {"qweight": q5_k_values(blocks).reshape(rows, cols), **_k_super_scales(blocks, rows, cols)}
 
 
 def _repack_q6_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -179,6 +193,9 @@ def _repack_q6_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
     q, sc, d = q6_k_parts(raw)
     return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
             "subscales": np.ascontiguousarray(sc).reshape(rows, cols // QK, 2)}
+
+
+_SUPER_REPACKS = {"Q4_K": _repack_q4_k_super, "Q5_K": _repack_q5_k_super, "Q6_K": _repack_q6_k_super}
 
 
 def _with_format(arrays: dict[str, np.ndarray], fmt: QuantFormat) -> dict[str, np.ndarray]:
@@ -289,10 +306,8 @@ class _Tensors:
         if qtype in ("Q4_0", "Q4_1", "Q8_0") and NATIVE_FORMATS[qtype].bits == fmt.bits and \
                 (fmt.has_mins or not NATIVE_FORMATS[qtype].has_mins):
             arrays = _with_format(_repack_legacy(raw, rows, cols, qtype), fmt)
-        elif qtype == "Q4_K" and fmt == NATIVE_FORMATS[qtype]:
-            arrays = _repack_q4_k_super(raw, rows, cols)
-        elif qtype == "Q6_K" and fmt == NATIVE_FORMATS[qtype]:
-            arrays = _repack_q6_k_super(raw, rows, cols)
+        elif qtype in _SUPER_REPACKS and fmt == NATIVE_FORMATS[qtype]:
+            arrays = _SUPER_REPACKS[qtype](raw, rows, cols)
         elif qtype == "Q4_K" and fmt == replace(NATIVE_FORMATS[qtype], superblocks=False):
             arrays = _repack_q4_k(raw, rows, cols)
         else:  # requantize from the float values
@@ -320,7 +335,7 @@ class _Group:
         if tileable(role or hf_name, fmt, self.shape[0]):
             fmt = replace(fmt, tiled=True)
         elif fmt is not None and fmt.superblocks:  # super-block scales live in tiles only: Q4_K becomes
-            fmt = replace(fmt, superblocks=False) if fmt.bits == 4 else QuantFormat(8, False)  # int4, Q6_K int8
+            fmt = replace(fmt, superblocks=False) if fmt.bits == 4 else QuantFormat(8, False)  # int4, Q5_K/Q6_K int8
         self.fmt = fmt
         self._arrays: dict[str, np.ndarray] | None = None
 

@@ -64,29 +64,37 @@ def _small_tokenizer(writer, vocab: int) -> int:
     return vocab
 
 
-def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+def quantize_q4_k(values: np.ndarray, top: int = 15) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> GGUF Q4_K blocks [rows, cols / 256 * 144] (uint8),
     for random-weight test models (the `gguf` package has no Q4_K quantizer; llama.cpp's picks scales
     by search, this one by each block's range). Per super-block of 256: float16 d and dmin, then 8
     6-bit scales and mins packed in 12 bytes, then 128 bytes of 4-bit values, sub-blocks 2j and 2j+1 in
-    the low and high nibbles of bytes 32j..32j+31; w = d * sc * q - dmin * mn."""
+    the low and high nibbles of bytes 32j..32j+31; w = d * sc * q - dmin * mn. `top` 31: Q5_K (`quantize_q5_k`)."""
     rows, cols = values.shape
     x = values.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, sub-blocks, 32]
     lo = np.minimum(x.min(-1), 0.0)
-    scale, offset = (x.max(-1) - lo) / 15, -lo  # per sub-block, >= 0
+    scale, offset = (x.max(-1) - lo) / top, -lo  # per sub-block, >= 0
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (offset.max(-1) / 63).astype(np.float16)
     df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
     sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
     mn = np.clip(np.round(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, 63).astype(np.uint8)
     step, shift = (df * sc)[..., None], (dminf * mn)[..., None]
-    q = np.clip(np.round(np.divide(x + shift, step, out=np.zeros_like(x), where=step > 0)), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(np.divide(x + shift, step, out=np.zeros_like(x), where=step > 0)), 0, top).astype(np.uint8)
     packed_scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
                                     (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales, qs],
-                            axis=1)
-    return blocks.reshape(rows, cols // 256 * 144)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(-1, 128)
+    # Q5_K: bit i of byte j of qh is the top bit of sub-block i's element j
+    qh = [((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)] if top == 31 else []
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales, *qh,
+                             qs], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> GGUF Q5_K blocks [rows, cols / 256 * 176]: Q4_K's with 5-bit values, their top
+    bits in 32 bytes between the scales and the low nibbles."""
+    return quantize_q4_k(values, top=31)
 
 
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:
@@ -114,6 +122,7 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
 
 MIXES = {  # llama.cpp's mixes, as far as a test model needs them: tensor name suffix -> type
     "Q4_K_M": ("Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
+    "Q5_K_M": ("Q5_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
 }
 
 
@@ -126,7 +135,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
     import gguf
     from gguf.quants import quantize
 
-    K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+    K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+                    gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
 
     base, overrides = MIXES.get(tensor_type, (tensor_type, {}))
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -77,8 +77,8 @@ class QuantFormat:
             return cls(16, False, qweight.dim() == 3, qweight.dtype)
         if qweight.dtype == torch.int8:
             bits = 8
-        else:  # uint8: int4, or in tiles of 192 bytes int6
-            bits = 6 if qweight.dim() == 3 and qweight.shape[-1] == kernels.TILE_BYTES[6] else 4
+        else:  # uint8: int4, or tiled int5/int6 (told by their tiles' bytes a block)
+            bits = {kernels.TILE_BYTES[b]: b for b in (5, 6)}.get(qweight.shape[-1], 4) if qweight.dim() == 3 else 4
         return cls(bits, f"{prefix}.mins" in tensors, qweight.dim() == 3, superblocks=f"{prefix}.subscales" in tensors)
 
 
@@ -196,13 +196,14 @@ class QuantEmbedding(_Blocks):
             rows = kernels.int6_rows(self.qweight[tiles], self.scales[tiles], self.subscales[tiles])
             values = kernels.dequantize_int6(*(t[picked] for t in rows), self.dtype)
             return values.view(*ids.shape, self.embedding_dim)
-        untile = kernels.untile_int4 if self.fmt.bits == 4 else kernels.untile_int8
         scales, mins = self.scales[tiles], None if self.mins is None else self.mins[tiles]
         if self.subscales is not None:
             scales, mins = kernels.superblock_scales(scales, mins, self.subscales[tiles])
-        rows = untile(self.qweight[tiles], scales, mins)
+        n, nb = flat.numel() * kernels.TILE_ROWS, self.embedding_dim // QK
+        rows = (kernels.untile_values(self.qweight[tiles], self.fmt.bits), kernels.untile_side(scales, n, nb),
+                kernels.untile_side(mins, n, nb))
         q, scales, mins = (None if t is None else t[picked] for t in rows)
-        values = kernels.dequantize(q, scales, mins, self.fmt.bits, self.dtype)
+        values = kernels.dequantize_values(q, scales, mins, self.fmt.bits, self.dtype)
         return values.view(*ids.shape, self.embedding_dim)
 
 
@@ -267,9 +268,12 @@ def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     weights -> panels."""
     if blocks["qweight"].dtype in HALF_NAMES:
         return {"qweight": kernels.pack_half(blocks["qweight"])}
-    if "subscales" in blocks:  # K-quants kept as stored: Q6_K's signed sub-scales, or Q4_K's
-        six = blocks["subscales"].dtype == torch.int8
-        qweight = kernels.tile_int6(blocks["qweight"]) if six else kernels.tile_int4(blocks["qweight"], None, None)[0]
+    if "subscales" in blocks:  # K-quants kept as stored: Q6_K's signed sub-scales; Q5_K's values one a byte; Q4_K
+        q, sub = blocks["qweight"], blocks["subscales"]
+        if sub.dtype == torch.int8:
+            qweight = kernels.tile_int6(q)
+        else:
+            qweight = kernels.tile_int5(q) if q.shape[1] == sub.shape[1] * QK else kernels.tile_int4(q, None, None)[0]
         scales, mins, sub = kernels.tile_superblocks(blocks["scales"], blocks.get("mins"), blocks["subscales"])
         return {"qweight": qweight, "scales": scales, "subscales": sub, **({"mins": mins} if mins is not None else {})}
     tile_blocks = kernels.tile_int4 if blocks["qweight"].dtype == torch.uint8 else kernels.tile_int8
