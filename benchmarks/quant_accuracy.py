@@ -20,6 +20,8 @@ own quantizer writes from the demo GGUF (`--allow-requantize`: from the same deq
 reference runs), each served as brisk serves such a file (`auto`). The demo's hidden size (576) is
 not a multiple of 256, so llama-quantize gives the K-types only to the matrices whose rows are
 (ffn_down, 1536 wide) and its fallback types to the others; each row names the types in the file.
+A second row per file runs the file's weights dequantized to float32 (`--quantization none`): the
+difference between the two is what brisk's kernels add to the file's own quantization error.
 
     .venv/bin/python benchmarks/quant_accuracy.py [--min-positions 2000]
         [--llama-quantize PATH --gguf-types Q4_K_M,Q5_K_M,Q6_K,Q8_0 --work DIR]
@@ -113,8 +115,8 @@ def file_types(path: Path) -> str:
     return ", ".join(f"{n} {t}" for t, n in counts.most_common())
 
 
-def float_activation_matmul(x, qweight, scales, mins, bits):
-    return kernels.reference_matmul(x, qweight, scales, mins, bits, quantized_activations=False)
+def float_activation_matmul(x, qweight, scales, mins, bits, subscales=None):
+    return kernels.reference_matmul(x, qweight, scales, mins, bits, subscales, quantized_activations=False)
 
 
 def main() -> None:
@@ -144,6 +146,8 @@ def main() -> None:
         for qtype in args.gguf_types.split(","):
             path = llama_quantized(demo, qtype, args.work, args.llama_quantize)
             runs.append((f"GGUF {qtype} by llama-quantize [{file_types(path)}]", "auto", False, str(path)))
+            # the same file dequantized to float32: the file's own error, apart from brisk's kernels
+            runs.append((f"GGUF {qtype}, its weights in float32", "none", False, str(path)))
     for label, mode, float_acts, source in runs:
         loaded = load(source, quantization=mode)
         if float_acts:
@@ -152,7 +156,7 @@ def main() -> None:
         else:
             got = [logits_per_position(loaded, ids) for ids in texts]
         s = compare(ref, got)
-        print(f"| {label} ({', '.join(sorted(set(loaded.report.weight_formats.values())))}) "
+        print(f"| {label} ({', '.join(sorted(set(loaded.report.weight_formats.values()))) or 'float32'}) "
               f"| {loaded.report.weight_bytes / 1e6:.0f} | {s['positions']} | {s['top1'] * 100:.1f}% "
               f"| {s['kl_mean']:.4f} | {s['kl_p99']:.4f} | {s['max_logit_diff']:.2f} |", flush=True)
 
