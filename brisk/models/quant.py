@@ -12,7 +12,8 @@ whose rows fill tiles of 8 are stored tiled instead (3-D tensors: `qweight` [N/8
 int4, [N/8, K/32, 256] for int8, `scales` and `mins` [N/8, K/32, 8]; `brisk.kernels.tile_int4` /
 `tile_int8`), the layout the kernel reads fastest at every row count; the number of dimensions
 tells the layout. GGUF K-quants keep their super-block scales in tiles (`subscales`; Q4_K as int4,
-Q6_K as int6 in tiles of 192 bytes a block, see `QuantFormat.superblocks`), and a fused projection
+Q5_K and Q6_K as int5 and int6 in tiles of 160 and 192 bytes a block, see `QuantFormat.superblocks`),
+and a fused projection
 whose parts come in different types (a Q4_K_M layer's Q4_K q/k and Q6_K v) is stored as its parts,
 `name.parts.{i}.*` (`StackedQuantLinear`).
 
@@ -39,7 +40,7 @@ HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weig
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 4 or 8; 6: GGUF Q6_K kept as stored; 16: bfloat16/float16 weights kept as stored, no scales
+    bits: int  # 4 or 8; 5/6: GGUF Q5_K/Q6_K kept as stored; 16: bfloat16/float16 weights as stored, no scales
     has_mins: bool
     # int4/int8: stored in tiles of 8 rows (brisk.kernels.tile_int4/tile_int8), the layout the kernel
     # reads fastest;
@@ -47,9 +48,10 @@ class QuantFormat:
     # (looked up by row) in the row layout
     tiled: bool = False
     half: torch.dtype | None = None  # bits 16: torch.bfloat16 or torch.float16
-    # K-quants kept as stored (tiled only; brisk.kernels.tile_superblocks). int4 (GGUF Q4_K): `scales`/
-    # `mins` hold each row's float16 d and dmin per 256 weights, `subscales` each block's 6-bit sc and
-    # mn (uint8): scale = d * sc, offset = -(dmin * mn). int6 (GGUF Q6_K, brisk.kernels.tile_int6):
+    # K-quants kept as stored (tiled only; brisk.kernels.tile_superblocks). int4 and int5 (GGUF Q4_K,
+    # Q5_K; brisk.kernels.tile_int5): `scales`/`mins` hold each row's float16 d and dmin per 256
+    # weights, `subscales` each block's 6-bit sc and mn (uint8): scale = d * sc, offset = -(dmin * mn).
+    # int6 (GGUF Q6_K, brisk.kernels.tile_int6):
     # `scales` each row's float16 d per 256, `subscales` a signed sc per 16 weights (int8):
     # w = d * sc * (q - 32)
     superblocks: bool = False
