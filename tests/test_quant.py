@@ -179,13 +179,13 @@ def test_tiled_vnni_kernel_is_the_avx2_kernel_bit_for_bit(bits, has_mins):
     """The AVX-512 VNNI tile loops (one tile, and two tiles at once) sum each block's products
     exactly in int32 (as AVX2's int16/int32 partial sums do) and then take the same float steps: they
     must agree with AVX2 bit for bit, so a model's outputs do not depend on which of these CPUs
-    serves it, nor on which loop a row count picks. int8's portable loop takes the same steps too."""
+    serves it, nor on which loop a row count picks. The portable loops take the same steps too."""
     lib = kernels.library()
     if kernels.isa() != "avx512vnni":
         pytest.skip("this CPU has no AVX-512 VNNI")
     qweight, scales, mins = random_blocks(bits, has_mins, 72, 2048, seed=5)  # 9 tiles: 4 pairs and one alone
     tiled = TILERS[bits](qweight, scales, mins)
-    paths = (3, 2, 0) if bits == 8 else (3, 2)
+    paths = (3, 2, 0)
     try:
         for rows in (1, 3, 4, 7, 8, 9, 17, 64):  # the one-tile loop below 8 rows, tile pairs from 8
             x = torch.randn(rows, 2048) * 2
