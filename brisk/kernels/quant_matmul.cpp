@@ -657,44 +657,35 @@ float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, in
 
 template <int BITS> constexpr int64_t high_bytes() { return BITS == 5 ? 160 : 192; }
 
-// Bits 2V..2V+1 of each byte moved to bits 4..5 (the rest of the byte is masked off by the caller).
-template <int V>
-__attribute__((target("avx2"))) inline __m256i bits_2v_at_4(__m256i h) {
-    return V == 0 ? _mm256_slli_epi16(h, 4) : V == 1 ? _mm256_slli_epi16(h, 2) : V == 2 ? h : _mm256_srli_epi16(h, 2);
+// Bit S of each byte (and the bit above it) moved to bit 4 (and 5), by a 16-bit shift: for S <= 7 the
+// target bits of a byte come from the same byte; what crosses from its neighbour the caller masks off.
+template <int S>
+__attribute__((target("avx2"))) inline __m256i bit_at_4(__m256i h) {
+    return S < 4 ? _mm256_slli_epi16(h, 4 - S) : S > 4 ? _mm256_srli_epi16(h, S - 4) : h;
 }
 
-template <int V>
-__attribute__((target("avx512f,avx512bw"))) inline __m512i bits_2v_at_4(__m512i h) {
-    return V == 0 ? _mm512_slli_epi16(h, 4) : V == 1 ? _mm512_slli_epi16(h, 2) : V == 2 ? h : _mm512_srli_epi16(h, 2);
+template <int S>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i bit_at_4(__m512i h) {
+    return S < 4 ? _mm512_slli_epi16(h, 4 - S) : S > 4 ? _mm512_srli_epi16(h, S - 4) : h;
 }
 
 // Vector V's top bits at bit 4 (int5) or bits 4..5 (int6) of each byte, for the block's first (lo) and
-// second (hi) 16 weights. 16-bit shifts: for these shift counts a byte's target bits come from the
-// same byte, and what crosses from its neighbour is masked off.
+// second (hi) 16 weights: int5 keeps them at bits V and V+4 of one plane, int6 at bits 2V..2V+1 of two.
+template <int BITS, int V> constexpr int top_lo() { return BITS == 5 ? V : 2 * V; }
+template <int BITS, int V> constexpr int top_hi() { return BITS == 5 ? V + 4 : 2 * V; }
+
 template <int BITS, int V>
-__attribute__((target("avx2,fma,f16c"))) inline void top_bits(__m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
-    if constexpr (BITS == 5) {
-        const __m256i bit = _mm256_set1_epi8(0x10);
-        lo = _mm256_and_si256(_mm256_slli_epi16(h0, 4 - V), bit);
-        hi = _mm256_and_si256(_mm256_srli_epi16(h0, V), bit);
-    } else {
-        const __m256i two = _mm256_set1_epi8(0x30);
-        lo = _mm256_and_si256(bits_2v_at_4<V>(h0), two);
-        hi = _mm256_and_si256(bits_2v_at_4<V>(h1), two);
-    }
+__attribute__((target("avx2"))) inline void top_bits(__m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
+    const __m256i mask = _mm256_set1_epi8(BITS == 5 ? 0x10 : 0x30);
+    lo = _mm256_and_si256(bit_at_4<top_lo<BITS, V>()>(h0), mask);
+    hi = _mm256_and_si256(bit_at_4<top_hi<BITS, V>()>(BITS == 5 ? h0 : h1), mask);
 }
 
 template <int BITS, int V>
 __attribute__((target("avx512f,avx512bw"))) inline void top_bits(__m512i h0, __m512i h1, __m512i& lo, __m512i& hi) {
-    if constexpr (BITS == 5) {
-        const __m512i bit = _mm512_set1_epi8(0x10);
-        lo = _mm512_and_si512(_mm512_slli_epi16(h0, 4 - V), bit);
-        hi = _mm512_and_si512(_mm512_srli_epi16(h0, V), bit);
-    } else {
-        const __m512i two = _mm512_set1_epi8(0x30);
-        lo = _mm512_and_si512(bits_2v_at_4<V>(h0), two);
-        hi = _mm512_and_si512(bits_2v_at_4<V>(h1), two);
-    }
+    const __m512i mask = _mm512_set1_epi8(BITS == 5 ? 0x10 : 0x30);
+    lo = _mm512_and_si512(bit_at_4<top_lo<BITS, V>()>(h0), mask);
+    hi = _mm512_and_si512(bit_at_4<top_hi<BITS, V>()>(BITS == 5 ? h0 : h1), mask);
 }
 
 // Vector V of a block: the first and second 16 weights' values, one byte each.
