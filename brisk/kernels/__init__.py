@@ -322,15 +322,20 @@ def superblock_scales(supers: torch.Tensor, super_mins: torch.Tensor, subscales:
     return d * sub[:, :, 0], -(dmin * sub[:, :, 1])
 
 
+def _low_nibble_tiles(q: torch.Tensor) -> torch.Tensor:
+    """5/6-bit values [N, K] -> their low 4 bits in int4's tiles [N/8, K/32, 128] (the first 128 bytes of a
+    block of the int5/int6 layouts)."""
+    if q.shape[0] % TILE_ROWS:
+        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {q.shape[0]}")
+    return tile_int4(pack_int4(q & 0x0F), None, None)[0]
+
+
 def tile_int5(q: torch.Tensor) -> torch.Tensor:
     """5-bit values [N, K] (uint8 in [0, 31]) -> the tiled int5 layout (quant_matmul.cpp, "int5 and int6 in
     tiles of 8 weight rows"): [N/8, K/32, 160], per tile and block int4's 128 bytes of the low 4 bits, then
     32 bytes of top bits (row j, byte e: bit u = weight 4u + e)."""
-    n, k = q.shape
-    if n % TILE_ROWS:
-        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
+    low, (n, k) = _low_nibble_tiles(q), q.shape
     nb = k // QK
-    low = tile_int4(pack_int4(q & 0x0F), None, None)[0]
     top = (q >> 4).view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4).permute(0, 2, 1, 4, 3)  # [tile, block, row, e, u]
     packed = (top << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)  # an or: no bits overlap
     return torch.cat([low, packed.reshape(n // TILE_ROWS, nb, 32)], dim=2).contiguous()
@@ -349,18 +354,17 @@ def untile_values(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """A tiled weight's values [N, K] (uint8; int8 for bits 8), as the row layout holds them unpacked."""
     if bits == 4:
         return unpack_int4(untile_int4(qweight, None, None)[0])
-    return {5: untile_int5, 6: untile_int6}[bits](qweight) if bits in (5, 6) else untile_int8(qweight, None, None)[0]
+    if bits == 8:
+        return untile_int8(qweight, None, None)[0]
+    return (untile_int5 if bits == 5 else untile_int6)(qweight)
 
 
 def tile_int6(q: torch.Tensor) -> torch.Tensor:
-    """6-bit values [N, K] (uint8 in [0, 63]) -> the tiled int6 layout (quant_matmul.cpp, "int6 in tiles of
-    8 weight rows"): [N/8, K/32, 192], per tile and block int4's 128 bytes of the low 4 bits, then two
+    """6-bit values [N, K] (uint8 in [0, 63]) -> the tiled int6 layout (quant_matmul.cpp, "int5 and int6 in
+    tiles of 8 weight rows"): [N/8, K/32, 192], per tile and block int4's 128 bytes of the low 4 bits, then two
     32-byte vectors of the top 2 bits (vector k, row j, byte e: bits 2v..2v+1 = weight 16k + 4v + e)."""
-    n, k = q.shape
-    if n % TILE_ROWS:
-        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
+    low, (n, k) = _low_nibble_tiles(q), q.shape
     nb = k // QK
-    low = tile_int4(pack_int4(q & 0x0F), None, None)[0]
     top = (q >> 4).view(n // TILE_ROWS, TILE_ROWS, nb, 2, 4, 4)  # [tile, row, block, half k, v, e]
     top = top.permute(0, 2, 3, 1, 5, 4)  # [tile, block, k, row, e, v]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
