@@ -430,6 +430,22 @@ def test_dequantized_for_other_devices_keeps_every_weight(random_gguf, brisk_cac
                        loaded.model.model.layers[1].self_attn.qkv_proj.dequantized())
 
 
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
+def test_k_quant_tables_that_do_not_fill_tiles_become_int8(qtype, tmp_path, brisk_cache):
+    """A 132-token vocabulary (not a multiple of 8 rows): the K-quant embedding and LM head cannot be tiled,
+    so the conversion stores them int8, within half an int8 step of gguf's values; the layers keep their type."""
+    path = write_random_gguf(tmp_path / f"v132-{qtype}.gguf", SMALL_K, qtype, None, small_vocab=132)
+    loaded = load(str(path))
+    bits = {"Q5_K": 5, "Q6_K": 6}[qtype]
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.fmt.bits == bits
+    for module, name in ((loaded.model.lm_head, "output.weight"), (loaded.model.model.embed_tokens, "token_embd.weight")):
+        assert module.fmt.bits == 8 and not module.fmt.superblocks
+        expected = _gguf_float(path, name).numpy()
+        ours = module.dequantized().numpy()
+        half_step = np.abs(expected).reshape(132, -1, 32).max(-1).repeat(32, axis=1) / 127 / 2
+        assert np.all(np.abs(ours - expected) <= half_step * 1.01 + 1e-6)
+
+
 def test_quantized_model_equals_the_float_model_up_to_activation_rounding(random_gguf, brisk_cache, monkeypatch):
     """With the kernel's int8 activation blocks swapped for float activations, the quantized
     model computes the float32 model's logits; with them, the top token rarely changes."""
