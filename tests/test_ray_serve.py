@@ -66,11 +66,21 @@ def cluster(brisk_cache):
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"no 2 ready replicas in {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
         time.sleep(1)
-    yield url, proc
-    # graceful shutdown drains like single-process serve: a running stream finishes, new requests get 503
+    try:
+        yield url, proc
+        _drain_on_sigterm(url, proc, log_path)
+    finally:  # whatever failed above, no replica outlives this module (they would slow every later test)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def _drain_on_sigterm(url: str, proc: subprocess.Popen, log_path) -> None:
+    """Graceful shutdown drains like single-process serve: a running stream finishes, new requests get 503."""
     outcome, started = {}, threading.Event()
     stream = threading.Thread(target=_stream, args=(url, 60, outcome, started))
     stream.start()
@@ -88,11 +98,7 @@ def cluster(brisk_cache):
     try:
         proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        raise AssertionError("brisk serve --replicas did not exit within 90 s of SIGTERM")
-    finally:
-        log.close()
+        raise AssertionError("brisk serve --replicas did not exit within 90 s of SIGTERM") from None
     assert proc.returncode == 0, log_path.read_text()[-4000:]
 
 
