@@ -10,6 +10,7 @@ block tables scattered over the pool as the KV manager hands them out. Compares,
 for each KV cache dtype (--kv-dtype, default all of them; the kernel reads each in place).
 
     .venv/bin/python benchmarks/decode_attention.py [--rows 64] [--context 2000] [--kv-dtype float32 int8]
+        [--baseline-lib OTHER/brisk/kernels/_kernels.so]   (a kernel change against the build before it)
 
 The default shape is the demo model's (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64).
 """
@@ -22,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,6 +77,9 @@ def main() -> None:
     parser.add_argument("--staging", action="store_true",
                         help="also time each dtype with every run read in place and with every run staged "
                              "(the default stages a prompt chunk's tiles and reads a lone row in place)")
+    parser.add_argument("--baseline-lib", metavar="SO",
+                        help="also time each dtype on another build of brisk's kernels (e.g. the commit before a "
+                             "change, `make` in a worktree: its brisk/kernels/_kernels.so), interleaved with this one")
     parser.add_argument("--hugepages", action="store_true",
                         help="also time the served kernel on a cache without huge pages (4 KB pages), same run")
     args = parser.parse_args()
@@ -111,12 +116,17 @@ def main() -> None:
     before, how = read_bandwidth_gbs()
     lib = kernels.library()
 
-    def kernel(cache: PagedKVCache, isa: int, mode: int | None = None):
+    def kernel(cache: PagedKVCache, isa: int, mode: int | None = None, build=None):
         def run():
-            lib.brisk_paged_attention_force_isa(isa)
-            lib.brisk_paged_attention_staged(default_mode if mode is None else mode)
-            kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs, scale, kv_dtype=cache.dtype,
-                                           scales=cache.scales(0))
+            use = build or lib
+            use.brisk_paged_attention_force_isa(isa)
+            use.brisk_paged_attention_staged(default_mode if mode is None else mode)
+            kernels._lib = use  # the build paged_decode_attention calls (this process's, or the baseline)
+            try:
+                kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs, scale,
+                                               kv_dtype=cache.dtype, scales=cache.scales(0))
+            finally:
+                kernels._lib = lib
         return run
 
     # every dtype on the path serving picks; the first dtype also on AVX2 (where AVX-512 is the best),
@@ -129,6 +139,10 @@ def main() -> None:
         for name, cache in caches.items():
             paths[(name, f"kernel {served} in place")] = kernel(cache, -1, 0)
             paths[(name, f"kernel {served} staged")] = kernel(cache, -1, 2)
+    if args.baseline_lib:
+        baseline = kernels._bind(Path(args.baseline_lib))
+        for name, cache in caches.items():
+            paths[(name, f"baseline {served}")] = kernel(cache, -1, build=baseline)
     if best_isa > 2:
         paths[(first, "kernel avx2")] = kernel(caches[first], 2)
     if args.hugepages:
@@ -152,6 +166,8 @@ def main() -> None:
     for (name, path), t in times.items():
         bound = kv_bytes(name) / (bandwidth * 1e9)
         speed = f"{base / medians[(name, path)]:.2f}x" if base and path == f"kernel {served}" else ""
+        if path.startswith("baseline"):  # this build's speed-up over the baseline, same dtype, same run
+            speed = f"this {medians[(name, path)] / medians[(name, f'kernel {served}')]:.2f}x"
         print(f"  {name:9s} {path:26s} {kv_bytes(name) / 2**20:9.1f} {bound * 1e3:9.2f} {medians[(name, path)] * 1e3:10.2f} "
               f"{medians[(name, path)] / bound:7.2f}x {min(t) * 1e3:8.2f} {speed:>10s}")
 

@@ -11,11 +11,13 @@
 //   out               [rows, num_heads * head_dim] float32
 // GQA: query head h reads kv head h / (num_heads / num_kv_heads), as SDPA's enable_gqa does.
 //
-// Work is split into items (row, part of its context): an item walks its positions in runs of
-// contiguous slots (within one block), reads each slot's K/V for all heads together (one
-// contiguous span of memory), and keeps an online softmax per query head (running max m, sum l,
-// weighted V sum); the parts of a row are then merged ("flash decoding"). Splitting the context
-// keeps every core busy when few rows are long.
+// Work is split into items (row, part of its context): an item walks its positions in chunks of
+// up to CHUNK positions (across as many blocks as they span: at brisk's default block size of 8, a
+// chunk is 4 blocks), reads each slot's K/V for all heads together (one contiguous span of
+// memory), and keeps an online softmax per query head (running max m, sum l, weighted V sum); the
+// parts of a row are then merged ("flash decoding"). Splitting the context keeps every core busy
+// when few rows are long. A chunk's softmax rescale, reductions and accumulator loads are paid
+// once per chunk, not once per block.
 //
 // Narrow elements are widened to float32 in registers as they are loaded (no dequantized copy);
 // an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements.
@@ -42,7 +44,7 @@
 
 namespace {
 
-constexpr int CHUNK = 32;      // tokens scored at once (at most one block's run of contiguous slots)
+constexpr int CHUNK = 32;      // positions scored at once (the slots of up to CHUNK / block_size blocks)
 constexpr int MAX_HEADS = 128;  // query heads
 constexpr int MAX_DIM = 256;
 
@@ -93,18 +95,19 @@ ROW_INLINE void load_row(const int8_t* src, float* dst, int64_t d) {
 template <typename KV>
 constexpr bool SCALED = std::is_same<KV, int8_t>::value;
 
-// out[t] = scale of run token t (slot0 + t) for kv head kvh, t < n; 1 past n
-ROW_INLINE void run_scales(const float* scales, int64_t slot0, int64_t n, int64_t kvh, int64_t num_kv_heads,
+// out[t] = scale of the chunk's position t (slot slots[t]) for kv head kvh, t < n; 1 past n
+ROW_INLINE void run_scales(const float* scales, const int64_t* slots, int64_t n, int64_t kvh, int64_t num_kv_heads,
                            float* out) {
-    for (int64_t t = 0; t < n; t++) out[t] = scales[(slot0 + t) * num_kv_heads + kvh];
+    for (int64_t t = 0; t < n; t++) out[t] = scales[slots[t] * num_kv_heads + kvh];
     for (int64_t t = n; t < CHUNK; t++) out[t] = 1.f;
 }
 
 // A row's attention is kept as un-normalised state: acc [H, D], m [H] (running max), l [H] (sum).
-// prep_* scales the row's query into qs [H, D] and clears the state; chunk_* folds in one run of
-// n contiguous slots from `slot` (at most CHUNK, within one block). A row's result depends only on
-// its query and the runs it is given: whether it is processed alone (a decode row) or in a tile
-// with the rows after it (a prompt chunk), the same calls on the same data give the same bits.
+// prep_* scales the row's query into qs [H, D] and clears the state; chunk_* folds in one chunk of
+// n positions (at most CHUNK) whose slots are slots[0 .. n). A row's result depends only on its
+// query and the chunks it is given (their positions' K/V, not where the blocks lie): whether it is
+// processed alone (a decode row) or in a tile with the rows after it (a prompt chunk), in place or
+// staged, the same calls on the same values give the same bits.
 // Portable versions: plain loops (what CPUs without AVX2 run, and the model for the others).
 void prep_portable(const Args& a, int64_t row, float* qs, float* acc, float* m, float* l) {
     const int64_t D = a.head_dim, H = a.num_heads;
@@ -119,11 +122,11 @@ void prep_portable(const Args& a, int64_t row, float* qs, float* acc, float* m, 
     }
 }
 
-struct NextRunPrefetch;
+struct NextChunkPrefetch;
 
 template <typename KV>
-void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float* l, int64_t slot, int64_t n,
-                    NextRunPrefetch&) {
+void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float* l, const int64_t* slots,
+                    int64_t n, NextChunkPrefetch&) {
     const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads;
     const int64_t stride = a.num_kv_heads * D;  // elements between consecutive slots
     const KV* kc = static_cast<const KV*>(a.k_cache);
@@ -132,8 +135,8 @@ void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float*
     for (int64_t t = 0; t < n; t++) {
         for (int64_t g = 0; g < H; g++) {
             if (g % G == 0) {
-                load_row(kc + (slot + t) * stride + (g / G) * D, row_buf, D);
-                if (SCALED<KV>) ks = a.k_scale[(slot + t) * a.num_kv_heads + g / G];
+                load_row(kc + slots[t] * stride + (g / G) * D, row_buf, D);
+                if (SCALED<KV>) ks = a.k_scale[slots[t] * a.num_kv_heads + g / G];
             }
             float dot = 0.f;
             for (int64_t d = 0; d < D; d++) dot += qs[g * D + d] * row_buf[d];
@@ -158,8 +161,8 @@ void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float*
     for (int64_t t = 0; t < n; t++) {
         for (int64_t g = 0; g < H; g++) {
             if (g % G == 0) {
-                load_row(vc + (slot + t) * stride + (g / G) * D, row_buf, D);
-                if (SCALED<KV>) vs = a.v_scale[(slot + t) * a.num_kv_heads + g / G];
+                load_row(vc + slots[t] * stride + (g / G) * D, row_buf, D);
+                if (SCALED<KV>) vs = a.v_scale[slots[t] * a.num_kv_heads + g / G];
             }
             const float p = SCALED<KV> ? s[g][t] * vs : s[g][t];
             for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * row_buf[d];
@@ -167,41 +170,79 @@ void chunk_portable(const Args& a, const float* qs, float* acc, float* m, float*
     }
 }
 
-// The next run's K/V lines (another block, somewhere else in the pool), prefetched a few at a time
-// through this run's work: k_step() once per score group, v_step() once per head's V pass. The
-// reads then overlap the math; one burst of every line at the start of a run overflows the core's
+// The next chunk's K/V lines (other blocks, somewhere else in the pool), prefetched a few at a time
+// through this chunk's work: k_step() once per score group, v_step() once per head's V pass. The
+// reads then overlap the math; one burst of every line at the start of a chunk overflows the core's
 // outstanding-miss slots (a burst measured 10.3 ms per layer at 64 rows x 2,000 tokens where
 // spreading it measured 7.3 ms, benchmarks/decode_attention.py).
-struct NextRunPrefetch {
+struct NextChunkPrefetch {
     const char* k = nullptr;
     const char* v = nullptr;
-    int64_t lines = 0, k_done = 0, v_done = 0, k_per = 1, v_per = 1;
+    int64_t slots[CHUNK];
+    int64_t row_bytes = 0, lines_per_slot = 1, lines = 0, k_done = 0, v_done = 0, k_per = 1, v_per = 1;
+    int64_t k_slot = 0, k_line = 0, v_slot = 0, v_line = 0;  // where k_done / v_done point (no division)
 
-    NextRunPrefetch() = default;  // prefetches nothing (a tile's later rows: the first row's runs did)
+    NextChunkPrefetch() = default;  // prefetches nothing (a tile's later rows: the first row's chunks did)
 
     template <typename KV>
-    NextRunPrefetch(const Args& a, const int32_t* table, int64_t pos, int64_t n, int64_t end, const KV* kc,
-                    const KV* vc, int64_t k_steps) {
-        const int64_t next = pos + n, bs = a.block_size, stride = a.num_kv_heads * a.head_dim;
-        if (next < end) {
-            const int64_t off = next % bs, nn = std::min<int64_t>({bs - off, end - next, CHUNK});
-            const int64_t slot = (int64_t)table[next / bs] * bs + off;
-            k = reinterpret_cast<const char*>(kc + slot * stride);
-            v = reinterpret_cast<const char*>(vc + slot * stride);
-            lines = (nn * stride * (int64_t)sizeof(KV) + 63) / 64;
+    NextChunkPrefetch(const Args& a, const int32_t* table, int64_t next, int64_t end, const KV* kc, const KV* vc,
+                    int64_t k_steps);
+    // int8's scales lie in their own arrays: the next chunk's lines of both, at once (a chunk's scales
+    // span a few lines: 96 bytes a block with 3 KV heads). Unprefetched, the loads of the scales drew
+    // a quarter of the int8 kernel's samples (perf, decode_attention.py's shape); prefetched, the
+    // kernel took 1/1.15 of the time (decode_attention.py --baseline-lib, AVX2).
+    void prefetch_scales(const Args& a, int64_t n) {
+        const int64_t nkv = a.num_kv_heads;
+        const char* kbase = reinterpret_cast<const char*>(a.k_scale);
+        const char* vbase = reinterpret_cast<const char*>(a.v_scale);
+        int64_t last = -1;  // the last line prefetched, in bytes from the arrays' start / 64
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t first = slots[t] * nkv * (int64_t)sizeof(float);
+            for (int64_t ln = first / 64; ln <= (first + nkv * (int64_t)sizeof(float) - 1) / 64; ln++)
+                if (ln != last) {
+                    last = ln;
+                    _mm_prefetch(kbase + 64 * ln, _MM_HINT_T0);
+                    _mm_prefetch(vbase + 64 * ln, _MM_HINT_T0);
+                }
         }
-        k_per = (lines + k_steps - 1) / k_steps;
-        v_per = (lines + a.num_heads - 1) / a.num_heads;
     }
-    inline void k_step() {
-        for (const int64_t stop = std::min(lines, k_done + k_per); k_done < stop; k_done++)
-            _mm_prefetch(k + 64 * k_done, _MM_HINT_T0);
+    // prefetches the lines from `done` to `stop` of the chunk's slots, base k or v
+    inline void advance(const char* base, int64_t& done, int64_t& slot, int64_t& ln, int64_t stop) {
+        for (; done < stop; done++) {
+            _mm_prefetch(base + slots[slot] * row_bytes + 64 * ln, _MM_HINT_T0);
+            if (++ln == lines_per_slot) {
+                ln = 0;
+                slot++;
+            }
+        }
     }
-    inline void v_step() {
-        for (const int64_t stop = std::min(lines, v_done + v_per); v_done < stop; v_done++)
-            _mm_prefetch(v + 64 * v_done, _MM_HINT_T0);
-    }
+    inline void k_step() { advance(k, k_done, k_slot, k_line, std::min(lines, k_done + k_per)); }
+    inline void v_step() { advance(v, v_done, v_slot, v_line, std::min(lines, v_done + v_per)); }
 };
+
+// A row's chunk from position pos: up to CHUNK positions before `end`, their slots in `slots`. The
+// chunks depend on the row's positions only (never on the batch or on how the row is processed).
+inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int64_t end, int64_t* slots) {
+    const int64_t n = std::min<int64_t>(CHUNK, end - pos), bs = a.block_size;
+    for (int64_t t = 0; t < n; t++) slots[t] = (int64_t)table[(pos + t) / bs] * bs + (pos + t) % bs;
+    return n;
+}
+
+template <typename KV>
+NextChunkPrefetch::NextChunkPrefetch(const Args& a, const int32_t* table, int64_t next, int64_t end, const KV* kc,
+                                 const KV* vc, int64_t k_steps) {
+    row_bytes = a.num_kv_heads * a.head_dim * (int64_t)sizeof(KV);  // a slot's K (or V), all heads
+    lines_per_slot = (row_bytes + 63) / 64;
+    if (next < end) {
+        k = reinterpret_cast<const char*>(kc);
+        v = reinterpret_cast<const char*>(vc);
+        const int64_t n = chunk_slots(a, table, next, end, slots);
+        lines = n * lines_per_slot;
+        if (a.k_scale != nullptr) prefetch_scales(a, n);
+    }
+    k_per = (lines + k_steps - 1) / k_steps;
+    v_per = (lines + a.num_heads - 1) / a.num_heads;
+}
 
 // ---------------------------------------------------------------- AVX2 + FMA (head_dim % 8 == 0)
 
@@ -241,28 +282,99 @@ AVX2 __m256 hsum8x8(const __m256* d) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-// Stores 8 tokens' scores at dst (32-byte aligned); lanes from `left` on lie past the run (they
-// read its last row) and are stored as -inf, so that exp turns them into 0.
-AVX2 void store_scores8(float* dst, __m256 sums, int64_t left) {
-    if (left < 8) {
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+// The scores of GS heads sharing one KV head (GS = 1: 8 tokens; GS = 2: 4 tokens each), as one
+// vector: lanes [head g0's tokens, head g0 + 1's]. Each K vector is widened once and multiplied
+// into every head's chain; a (head, token) score takes the same operations in the same order
+// whatever GS is (one FMA chain over head_dim, then hsum8x8's reduction, the same for every lane).
+template <typename KV, int GS>
+AVX2H __m256 scores_heads(const float* q0, int64_t D, const KV* const* rows, int64_t V) {
+    constexpr int T = 8 / GS;  // tokens per head
+    __m256 d[8];
+    {
+        __m256 q[GS];
+        for (int g = 0; g < GS; g++) q[g] = _mm256_loadu_ps(q0 + g * D);
+        for (int j = 0; j < T; j++) {
+            const __m256 k = load8(rows[j]);
+            for (int g = 0; g < GS; g++) d[g * T + j] = _mm256_mul_ps(q[g], k);
+        }
+    }
+    for (int64_t v = 1; v < V; v++) {
+        __m256 q[GS];
+        for (int g = 0; g < GS; g++) q[g] = _mm256_loadu_ps(q0 + g * D + 8 * v);
+        for (int j = 0; j < T; j++) {
+            const __m256 k = load8(rows[j] + 8 * v);
+            for (int g = 0; g < GS; g++) d[g * T + j] = _mm256_fmadd_ps(q[g], k, d[g * T + j]);
+        }
+    }
+    return hsum8x8(d);
+}
+
+// Stores scores_heads' vector into s[g0 ..][t0 ..] (aligned); tokens from `left` on lie past the
+// chunk (they read its last row) and are stored as -inf, so that exp turns them into 0.
+template <int GS>
+AVX2H void store_scores(float (*s)[CHUNK], int64_t g0, int64_t t0, __m256 sums, int64_t left) {
+    constexpr int T = 8 / GS;
+    if (left < T) {
+        const __m256i lane = GS == 1 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7) : _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
         const __m256 past = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)(left - 1))));
         sums = _mm256_blendv_ps(sums, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), past);
     }
-    _mm256_store_ps(dst, sums);
+    if (GS == 1) {
+        _mm256_store_ps(&s[g0][t0], sums);
+    } else {
+        _mm_store_ps(&s[g0][t0], _mm256_castps256_ps128(sums));
+        _mm_store_ps(&s[g0 + 1][t0], _mm256_extractf128_ps(sums, 1));
+    }
 }
 
-// acc[0 .. 8W) = acc * corr + sum over t < n of p[t] * v[t * stride + (0 .. 8W)]
-template <typename KV, int W>
-AVX2H void accumulate_v(float* acc, const KV* v, const float* p, int64_t n, int64_t stride, __m256 corr) {
-    __m256 x[W];
-    for (int w = 0; w < W; w++) x[w] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * w), corr);
+// For GS heads sharing one KV head: acc_g[0 .. 8W) = acc_g * corr_g + sum over t < n of
+// p_g[t] * v[slots[t] * stride + (0 .. 8W)], acc_g = acc + g * D. Each V vector is widened once for
+// all GS heads; an element gets the same operations in the same order whatever GS is.
+template <typename KV, int GS, int W>
+AVX2H void accumulate_v(float* acc, int64_t D, const KV* v, const int64_t* slots, const float* const* p, int64_t n,
+                        int64_t stride, const float* corr) {
+    __m256 x[GS][W];
+    for (int g = 0; g < GS; g++)
+        for (int w = 0; w < W; w++) x[g][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * w), _mm256_set1_ps(corr[g]));
     for (int64_t t = 0; t < n; t++) {
-        const __m256 pt = _mm256_set1_ps(p[t]);
-        const KV* row = v + t * stride;
-        for (int w = 0; w < W; w++) x[w] = _mm256_fmadd_ps(pt, load8(row + 8 * w), x[w]);
+        const KV* row = v + slots[t] * stride;
+        __m256 pt[GS];
+        for (int g = 0; g < GS; g++) pt[g] = _mm256_set1_ps(p[g][t]);
+        for (int w = 0; w < W; w++) {
+            const __m256 vv = load8(row + 8 * w);
+            for (int g = 0; g < GS; g++) x[g][w] = _mm256_fmadd_ps(pt[g], vv, x[g][w]);
+        }
     }
-    for (int w = 0; w < W; w++) _mm256_storeu_ps(acc + 8 * w, x[w]);
+    for (int g = 0; g < GS; g++)
+        for (int w = 0; w < W; w++) _mm256_storeu_ps(acc + g * D + 8 * w, x[g][w]);
+}
+
+// heads g0 .. g0 + GS of one KV head, all of head_dim: their scores (into s), or their V sums
+template <typename KV, int GS>
+AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64_t* slots, int64_t n,
+                       const float* ks, int64_t g0, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
+    constexpr int T = 8 / GS;
+    const int64_t D = a.head_dim, stride = a.num_kv_heads * D;
+    for (int64_t t0 = 0; t0 < n; t0 += T) {
+        const KV* rows[T];
+        for (int j = 0; j < T; j++) rows[j] = kh + slots[std::min<int64_t>(t0 + j, n - 1)] * stride;
+        __m256 sums = scores_heads<KV, GS>(qs + g0 * D, D, rows, D / 8);
+        if (SCALED<KV>)
+            sums = _mm256_mul_ps(sums, GS == 1 ? _mm256_load_ps(ks + t0) : _mm256_broadcast_ps(reinterpret_cast<const __m128*>(ks + t0)));
+        store_scores<GS>(s, g0, t0, sums, n - t0);
+        for (int g = 0; g < GS; g++) prefetch.k_step();  // as many steps as single-head groups of 8 tokens
+    }
+}
+
+template <typename KV, int GS>
+AVX2H void v_group(const Args& a, float* acc, const KV* vh, const int64_t* slots, int64_t n,
+                   const float* const* p, const float* corr, NextChunkPrefetch& prefetch) {
+    const int64_t D = a.head_dim, V = D / 8, stride = a.num_kv_heads * D;
+    int64_t v0 = 0;
+    // GS x W accumulators: at most 8 of the 16 registers
+    for (; v0 + 8 / GS <= V; v0 += 8 / GS) accumulate_v<KV, GS, 8 / GS>(acc + 8 * v0, D, vh + 8 * v0, slots, p, n, stride, corr);
+    for (; v0 < V; v0++) accumulate_v<KV, GS, 1>(acc + 8 * v0, D, vh + 8 * v0, slots, p, n, stride, corr);
+    for (int g = 0; g < GS; g++) prefetch.v_step();
 }
 
 AVX2H_FN void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float* m,
@@ -280,46 +392,41 @@ AVX2H_FN void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float
     }
 }
 
+// Which types the AVX2 loop takes two query heads at a time: the fp8 ones, whose widening costs more
+// than the extra passes pairing takes, and int8 (even). Against one head at a time, same bits, same
+// run (decode_attention.py --baseline-lib, 3 runs): e4m3 1.20-1.25x, e5m2 1.08-1.13x, int8 0.96-1.02x;
+// paired, float32 took 1/0.78 and bfloat16 1/0.87 of the time (its widening is one shift).
+template <typename KV>
+constexpr bool PAIRED = sizeof(KV) == 1;
+
 template <typename KV>
 AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, float* l,
-                                                    int64_t slot, int64_t n, NextRunPrefetch& prefetch) {
-    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, V = D / 8;
-    const int64_t stride = a.num_kv_heads * D;
+                         const int64_t* slots, int64_t n, NextChunkPrefetch& prefetch) {
+    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads;
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
     alignas(32) float s[MAX_HEADS][CHUNK];
-    alignas(32) float ks[CHUNK], vs[CHUNK], ps[CHUNK];  // int8: the run's scales, scaled weights
+    alignas(32) float ks[CHUNK], vs[CHUNK], corr[MAX_HEADS];  // int8: the chunk's scales
     const int64_t n8 = (n + 7) / 8;
-    // scores of 8 tokens at a time for one head: 8 independent FMA chains, then one transposing
-    // reduction; tokens past the chunk read its last row and are then set to -inf (exp 0)
+    // scores: the query heads of one KV head two at a time (each K element widened once per pair),
+    // an odd one alone
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
-        const KV* kh = kc + slot * stride + kvh * D;
-        if (SCALED<KV>) run_scales(a.k_scale, slot, n, kvh, a.num_kv_heads, ks);
-        for (int64_t g = kvh * G; g < kvh * G + G; g++) {
-            const float* qg = qs + g * D;
-            for (int64_t t0 = 0; t0 < n; t0 += 8) {
-                const KV* rows8[8];
-                for (int j = 0; j < 8; j++) rows8[j] = kh + std::min<int64_t>(t0 + j, n - 1) * stride;
-                __m256 d[8];
-                for (int j = 0; j < 8; j++) d[j] = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(rows8[j]));
-                for (int64_t v = 1; v < V; v++) {
-                    const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
-                    for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, load8(rows8[j] + 8 * v), d[j]);
-                }
-                __m256 sums = hsum8x8(d);
-                if (SCALED<KV>) sums = _mm256_mul_ps(sums, _mm256_load_ps(ks + t0));
-                store_scores8(&s[g][t0], sums, n - t0);
-                prefetch.k_step();
-            }
-        }
+        const KV* kh = kc + kvh * D;
+        if (SCALED<KV>) run_scales(a.k_scale, slots, n, kvh, a.num_kv_heads, ks);
+        int64_t g = kvh * G;
+        if (PAIRED<KV>)
+            for (; g + 2 <= kvh * G + G; g += 2) score_group<KV, 2>(a, qs, kh, slots, n, ks, g, s, prefetch);
+        for (; g < kvh * G + G; g++) score_group<KV, 1>(a, qs, kh, slots, n, ks, g, s, prefetch);
     }
     for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
-    // online softmax, 8 scores at a time
+    // online softmax, 8 scores at a time: s[g] becomes the weights, corr[g] the old sums' rescale
     for (int64_t g = 0; g < H; g++) {
+        // a 4-token score group may leave the lanes up to the next multiple of 8 unwritten: -inf
+        for (int64_t t = n; t < 8 * n8; t++) s[g][t] = -std::numeric_limits<float>::infinity();
         __m256 mx8 = _mm256_set1_ps(m[g]);
         for (int64_t c = 0; c < n8; c++) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(&s[g][8 * c]));
         const float mx = hmax8(mx8);
-        const float corr = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
+        corr[g] = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
         const __m256 mxv = _mm256_set1_ps(mx);
         __m256 sum = _mm256_setzero_ps();
         for (int64_t c = 0; c < n8; c++) {
@@ -327,25 +434,29 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
             _mm256_store_ps(&s[g][8 * c], p);
             sum = _mm256_add_ps(sum, p);
         }
-        l[g] = l[g] * corr + hsum8(sum);
+        l[g] = l[g] * corr[g] + hsum8(sum);
         m[g] = mx;
-        // acc = acc * corr + sum_t p_t v_t, 8-wide slices of acc kept in registers, several
-        // at once so that the FMA chains overlap
-        const __m256 cv = _mm256_set1_ps(corr);
-        float* ag = acc + g * D;
-        const KV* vh = vc + slot * stride + (g / G) * D;
-        const float* p = s[g];
+    }
+    // acc = acc * corr + sum_t p_t v_t for the heads of one KV head, two at a time (each V element
+    // widened once per pair); int8's weights take the V scales first (after l summed them unscaled)
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
+        const KV* vh = vc + kvh * D;
         if (SCALED<KV>) {
-            if (g % G == 0) run_scales(a.v_scale, slot, n, g / G, a.num_kv_heads, vs);
-            for (int64_t c = 0; c < n8; c++)
-                _mm256_store_ps(ps + 8 * c, _mm256_mul_ps(_mm256_load_ps(&s[g][8 * c]), _mm256_load_ps(vs + 8 * c)));
-            p = ps;
+            run_scales(a.v_scale, slots, n, kvh, a.num_kv_heads, vs);
+            for (int64_t g = kvh * G; g < kvh * G + G; g++)
+                for (int64_t c = 0; c < n8; c++)
+                    _mm256_store_ps(&s[g][8 * c], _mm256_mul_ps(_mm256_load_ps(&s[g][8 * c]), _mm256_load_ps(vs + 8 * c)));
         }
-        int64_t v0 = 0;
-        for (; v0 + 8 <= V; v0 += 8) accumulate_v<KV, 8>(ag + 8 * v0, vh + 8 * v0, p, n, stride, cv);
-        for (; v0 + 4 <= V; v0 += 4) accumulate_v<KV, 4>(ag + 8 * v0, vh + 8 * v0, p, n, stride, cv);
-        for (; v0 < V; v0++) accumulate_v<KV, 1>(ag + 8 * v0, vh + 8 * v0, p, n, stride, cv);
-        prefetch.v_step();
+        int64_t g = kvh * G;
+        if (PAIRED<KV>)
+            for (; g + 2 <= kvh * G + G; g += 2) {
+                const float* p[2] = {s[g], s[g + 1]};
+                v_group<KV, 2>(a, acc + g * D, vh, slots, n, p, corr + g, prefetch);
+            }
+        for (; g < kvh * G + G; g++) {
+            const float* p[1] = {s[g]};
+            v_group<KV, 1>(a, acc + g * D, vh, slots, n, p, corr + g, prefetch);
+        }
     }
 }
 
@@ -390,9 +501,10 @@ AVX512 __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
 }
 
-// acc[0 .. 16W) = acc * corr + sum over t < n of p[t] * v[t * stride + (0 .. 16W)]
+// acc[0 .. 16W) = acc * corr + sum over t < n of p[t] * v[slots[t] * stride + (0 .. 16W)]
 template <typename KV, int W>
-AVX512 void accumulate_v16(float* acc, const KV* v, const float* p, int64_t n, int64_t stride, __m512 corr) {
+AVX512 void accumulate_v16(float* acc, const KV* v, const int64_t* slots, const float* p, int64_t n, int64_t stride,
+                           __m512 corr) {
     __m512 x[W], y[W];
     for (int w = 0; w < W; w++) {
         x[w] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * w), corr);
@@ -401,8 +513,8 @@ AVX512 void accumulate_v16(float* acc, const KV* v, const float* p, int64_t n, i
     int64_t t = 0;
     for (; t + 2 <= n; t += 2) {
         const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
-        const KV* r0 = v + t * stride;
-        const KV* r1 = r0 + stride;
+        const KV* r0 = v + slots[t] * stride;
+        const KV* r1 = v + slots[t + 1] * stride;
         for (int w = 0; w < W; w++) {
             x[w] = _mm512_fmadd_ps(p0, load16(r0 + 16 * w), x[w]);
             y[w] = _mm512_fmadd_ps(p1, load16(r1 + 16 * w), y[w]);
@@ -410,7 +522,7 @@ AVX512 void accumulate_v16(float* acc, const KV* v, const float* p, int64_t n, i
     }
     if (t < n) {
         const __m512 p0 = _mm512_set1_ps(p[t]);
-        for (int w = 0; w < W; w++) x[w] = _mm512_fmadd_ps(p0, load16(v + t * stride + 16 * w), x[w]);
+        for (int w = 0; w < W; w++) x[w] = _mm512_fmadd_ps(p0, load16(v + slots[t] * stride + 16 * w), x[w]);
     }
     for (int w = 0; w < W; w++) _mm512_storeu_ps(acc + 16 * w, _mm512_add_ps(x[w], y[w]));
 }
@@ -432,8 +544,8 @@ __attribute__((target(AVX512_TARGET))) void prep_avx512(
 
 template <typename KV>
 __attribute__((target(AVX512_TARGET))) void chunk_avx512(
-        const Args& a, const float* qs, float* acc, float* m, float* l, int64_t slot, int64_t n,
-        NextRunPrefetch& prefetch) {
+        const Args& a, const float* qs, float* acc, float* m, float* l, const int64_t* slots, int64_t n,
+        NextChunkPrefetch& prefetch) {
     const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads, V = D / 16;
     const int64_t stride = a.num_kv_heads * D;
     const KV* kc = static_cast<const KV*>(a.k_cache);
@@ -442,13 +554,13 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
     alignas(64) float ks[CHUNK], vs[CHUNK], ps[CHUNK];  // int8: the run's scales, scaled weights
     const int64_t n16 = (n + 15) / 16;
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
-        const KV* kh = kc + slot * stride + kvh * D;
-        if (SCALED<KV>) run_scales(a.k_scale, slot, n, kvh, a.num_kv_heads, ks);
+        const KV* kh = kc + kvh * D;
+        if (SCALED<KV>) run_scales(a.k_scale, slots, n, kvh, a.num_kv_heads, ks);
         for (int64_t g = kvh * G; g < kvh * G + G; g++) {
             const float* qg = qs + g * D;
             for (int64_t t0 = 0; t0 < n; t0 += 8) {
                 const KV* rows8[8];
-                for (int j = 0; j < 8; j++) rows8[j] = kh + std::min<int64_t>(t0 + j, n - 1) * stride;
+                for (int j = 0; j < 8; j++) rows8[j] = kh + slots[std::min<int64_t>(t0 + j, n - 1)] * stride;
                 __m512 d[8];
                 for (int j = 0; j < 8; j++) d[j] = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(rows8[j]));
                 for (int64_t v = 1; v < V; v++) {
@@ -459,7 +571,7 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
                 for (int j = 0; j < 8; j++) h[j] = fold16(d[j]);
                 __m256 sums = hsum8x8(h);
                 if (SCALED<KV>) sums = _mm256_mul_ps(sums, _mm256_load_ps(ks + t0));
-                store_scores8(&s[g][t0], sums, n - t0);
+                store_scores<1>(s, g, t0, sums, n - t0);
                 prefetch.k_step();
             }
             // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the run's scores, -inf
@@ -483,18 +595,18 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
         m[g] = mx;
         const __m512 cv = _mm512_set1_ps(corr);
         float* ag = acc + g * D;
-        const KV* vh = vc + slot * stride + (g / G) * D;
+        const KV* vh = vc + (g / G) * D;
         const float* p = s[g];
         if (SCALED<KV>) {
-            if (g % G == 0) run_scales(a.v_scale, slot, n, g / G, a.num_kv_heads, vs);
+            if (g % G == 0) run_scales(a.v_scale, slots, n, g / G, a.num_kv_heads, vs);
             for (int64_t c = 0; c < n16; c++)
                 _mm512_store_ps(ps + 16 * c, _mm512_mul_ps(_mm512_load_ps(&s[g][16 * c]), _mm512_load_ps(vs + 16 * c)));
             p = ps;
         }
         int64_t v0 = 0;
-        for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, 8>(ag + 16 * v0, vh + 16 * v0, p, n, stride, cv);
-        for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, 4>(ag + 16 * v0, vh + 16 * v0, p, n, stride, cv);
-        for (; v0 < V; v0++) accumulate_v16<KV, 1>(ag + 16 * v0, vh + 16 * v0, p, n, stride, cv);
+        for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, 8>(ag + 16 * v0, vh + 16 * v0, slots, p, n, stride, cv);
+        for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, 4>(ag + 16 * v0, vh + 16 * v0, slots, p, n, stride, cv);
+        for (; v0 < V; v0++) accumulate_v16<KV, 1>(ag + 16 * v0, vh + 16 * v0, slots, p, n, stride, cv);
         prefetch.v_step();
     }
 }
@@ -507,13 +619,13 @@ using ItemFnT = void (*)(const Args&, int64_t, int64_t, const int64_t*, const in
 
 // One work item: rows row0 .. row0 + nrows - 1 (a tile: consecutive positions of one sequence, so
 // the same block table; or a single row) over their positions [start_r, end_r) of one part. The
-// rows advance run by run in step, so each run's K/V, read from memory for the first row, is in
-// cache for the others; every row gets exactly the runs and calls it would get alone.
+// rows advance chunk by chunk in step, so each chunk's K/V, read from memory for the first row, is
+// in cache for the others; every row gets exactly the chunks and calls it would get alone.
 template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
-          void (*Chunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&)>
+          void (*Chunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&)>
 void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start, const int64_t* end,
                float* const* state) {
-    const int64_t D = a.head_dim, H = a.num_heads, bs = a.block_size;
+    const int64_t D = a.head_dim, H = a.num_heads;
     const int32_t* table = a.block_tables + row0 * a.max_blocks;
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
@@ -530,30 +642,30 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
         for (int64_t r = 0; r < nrows; r++) {
             if (pos[r] >= end[r]) continue;
             active = true;
-            const int64_t off = pos[r] % bs;
-            const int64_t n = std::min<int64_t>({bs - off, end[r] - pos[r], CHUNK});
-            const int64_t slot = (int64_t)table[pos[r] / bs] * bs + off;
+            int64_t slots[CHUNK];
+            const int64_t n = chunk_slots(a, table, pos[r], end[r], slots);
             float* acc = state[r];
             if (r == 0) {
-                NextRunPrefetch prefetch(a, table, pos[r], n, end[r], kc, vc, H * ((n + 7) / 8));
-                Chunk(a, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, slot, n, prefetch);
+                NextChunkPrefetch prefetch(a, table, pos[r] + n, end[r], kc, vc, H * ((n + 7) / 8));
+                Chunk(a, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, slots, n, prefetch);
             } else {
-                NextRunPrefetch none;
-                Chunk(a, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, slot, n, none);
+                NextChunkPrefetch none;
+                Chunk(a, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, slots, n, none);
             }
             pos[r] += n;
         }
     }
 }
 
-// ---------------------------------------------------------------- a tile's runs widened once
+// ---------------------------------------------------------------- a tile's chunks widened once
 // The in-place loops widen a narrow K/V element once per query head of its GQA group and, in a
-// tile, once per row: a prompt chunk's 8 rows widen each run 8 x G times. The staged item widens
-// each run once per tile into a float32 buffer laid out like a float32 cache (a run is at most
-// one block: a few KB in L1/L2, never a copy of the context) and runs the same loop on it. It
-// takes the same runs as the in-place item and the loop gets the same float32 values (widening is
-// exact; int8 keeps its scales apart, applied as the in-place loop applies them), so a row's
-// result is bit for bit the same on both: a tile may take one and a lone row the other.
+// tile, once per row: a prompt chunk's 8 rows widen each chunk 8 x G times. The staged item widens
+// each chunk once per tile into a float32 buffer laid out like a float32 cache holding the chunk's
+// positions in slots 0 .. n (CHUNK positions: a few KB in L1/L2, never a copy of the context) and
+// runs the same loop on it. It takes the same chunks as the in-place item and the loop gets the
+// same float32 values (widening is exact; int8 keeps its scales apart, applied as the in-place
+// loop applies them), so a row's result is bit for bit the same on both: a tile may take one and a
+// lone row the other.
 
 struct scaled_f32 {  // int8 widened, its scales still to apply
     float v;
@@ -576,6 +688,10 @@ struct StagedRun {
     std::vector<float> k, v, ks, vs;  // [n, kv_heads, head_dim]; int8: scales [n, kv_heads]
 };
 
+constexpr int64_t IDENTITY_SLOTS[CHUNK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                           16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+static_assert(CHUNK == 32, "IDENTITY_SLOTS lists CHUNK slots");
+
 template <typename KV>
 void widen_portable(const KV* src, int64_t d, float* dst) {
     load_row(src, dst, d);
@@ -591,34 +707,36 @@ __attribute__((target(AVX512_TARGET))) void widen_avx512(const KV* src, int64_t 
     for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 }
 
-// the run of n slots from `slot` (one block's), all KV heads, widened into run.k / run.v
+// the chunk's n slots, all KV heads, widened into run.k / run.v (position t at slot t)
 template <typename KV, void (*Widen)(const KV*, int64_t, float*)>
-void stage_run(const Args& a, int64_t slot, int64_t n, StagedRun& run) {
+void stage_run(const Args& a, const int64_t* slots, int64_t n, StagedRun& run) {
     const int64_t nkv = a.num_kv_heads, D = a.head_dim, stride = nkv * D;
     if ((int64_t)run.k.size() < CHUNK * stride) {
         run.k.resize(CHUNK * stride);
         run.v.resize(CHUNK * stride);
+    }
+    if ((int64_t)run.ks.size() < CHUNK * nkv) {  // (a call of another shape may have sized k alone)
         run.ks.resize(CHUNK * nkv);
         run.vs.resize(CHUNK * nkv);
     }
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
-    for (int64_t row = 0; row < n * nkv; row++) {  // (token, head) rows: contiguous within the block
-        Widen(kc + (slot * nkv + row) * D, D, run.k.data() + row * D);
-        Widen(vc + (slot * nkv + row) * D, D, run.v.data() + row * D);
-    }
-    if (SCALED<KV>) {
-        std::memcpy(run.ks.data(), a.k_scale + slot * nkv, n * nkv * sizeof(float));
-        std::memcpy(run.vs.data(), a.v_scale + slot * nkv, n * nkv * sizeof(float));
+    for (int64_t t = 0; t < n; t++) {  // a slot's heads are contiguous
+        Widen(kc + slots[t] * stride, stride, run.k.data() + t * stride);
+        Widen(vc + slots[t] * stride, stride, run.v.data() + t * stride);
+        if (SCALED<KV>) {
+            std::memcpy(run.ks.data() + t * nkv, a.k_scale + slots[t] * nkv, nkv * sizeof(float));
+            std::memcpy(run.vs.data() + t * nkv, a.v_scale + slots[t] * nkv, nkv * sizeof(float));
+        }
     }
 }
 
 template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
           void (*Widen)(const KV*, int64_t, float*),
-          void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&)>
+          void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&)>
 void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start, const int64_t* end,
                  float* const* state) {
-    const int64_t D = a.head_dim, H = a.num_heads, bs = a.block_size;
+    const int64_t D = a.head_dim, H = a.num_heads;
     const int32_t* table = a.block_tables + row0 * a.max_blocks;
     thread_local std::vector<float> qs_buf;
     thread_local StagedRun run;
@@ -630,17 +748,17 @@ void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* star
         pos[r] = start[r];
     }
     const uint64_t generation = call_generation.load(std::memory_order_relaxed);
-    Args b = a;  // the loop's view: the staged run as a cache holding one run from slot 0
-    NextRunPrefetch none;
+    Args b = a;  // the loop's view: the staged chunk as a cache holding its positions in slots 0 .. n
+    NextChunkPrefetch none;
     for (bool active = true; active;) {
         active = false;
         for (int64_t r = 0; r < nrows; r++) {
             if (pos[r] >= end[r]) continue;
             active = true;
-            const int64_t off = pos[r] % bs;
-            const int64_t n = std::min<int64_t>({bs - off, end[r] - pos[r], CHUNK});  // tile_item's runs
+            int64_t slots[CHUNK];
+            const int64_t n = chunk_slots(a, table, pos[r], end[r], slots);  // tile_item's chunks
             if (run.generation != generation || run.table != table || run.pos != pos[r] || run.n < n) {
-                stage_run<KV, Widen>(a, (int64_t)table[pos[r] / bs] * bs + off, n, run);
+                stage_run<KV, Widen>(a, slots, n, run);
                 run.generation = generation;
                 run.table = table;
                 run.pos = pos[r];
@@ -651,7 +769,7 @@ void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* star
             b.k_scale = run.ks.data();
             b.v_scale = run.vs.data();
             float* acc = state[r];
-            WidenedChunk(b, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, 0, n, none);
+            WidenedChunk(b, qs_buf.data() + r * H * D, acc, acc + H * D, acc + H * D + H, IDENTITY_SLOTS, n, none);
             pos[r] += n;
         }
     }
@@ -683,8 +801,8 @@ int staged_mode = 1;
 
 template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
           void (*Widen)(const KV*, int64_t, float*),
-          void (*InPlaceChunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&),
-          void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, int64_t, int64_t, NextRunPrefetch&)>
+          void (*InPlaceChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&),
+          void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&)>
 ItemFn pick_path() {
     const int mode = std::is_same<KV, float>::value && staged_mode == 1 ? 0 : staged_mode;
     if (mode == 2) return staged_item<KV, Prep, Widen, WidenedChunk>;
