@@ -12,12 +12,11 @@
 // GQA: query head h reads kv head h / (num_heads / num_kv_heads), as SDPA's enable_gqa does.
 //
 // Work is split into items (row, part of its context): an item walks its positions in chunks of
-// up to CHUNK positions (across as many blocks as they span: at brisk's default block size of 8, a
-// chunk is 4 blocks), reads each slot's K/V for all heads together (one contiguous span of
-// memory), and keeps an online softmax per query head (running max m, sum l, weighted V sum); the
-// parts of a row are then merged ("flash decoding"). Splitting the context keeps every core busy
-// when few rows are long. A chunk's softmax rescale, reductions and accumulator loads are paid
-// once per chunk, not once per block.
+// up to CHUNK positions (8-bit types: across blocks, 4 blocks at brisk's default block size of 8;
+// wider types: within one block, ACROSS_BLOCKS), reads each slot's K/V for all heads together (one
+// contiguous span of memory), and keeps an online softmax per query head (running max m, sum l,
+// weighted V sum); the parts of a row are then merged ("flash decoding"). Splitting the context
+// keeps every core busy when few rows are long.
 //
 // Narrow elements are widened to float32 in registers as they are loaded (no dequantized copy);
 // an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements.
@@ -44,7 +43,7 @@
 
 namespace {
 
-constexpr int CHUNK = 32;      // positions scored at once (the slots of up to CHUNK / block_size blocks)
+constexpr int CHUNK = 32;      // positions scored at once (ACROSS_BLOCKS: from one block or several)
 constexpr int MAX_HEADS = 128;  // query heads
 constexpr int MAX_DIM = 256;
 
@@ -220,11 +219,31 @@ struct NextChunkPrefetch {
     inline void v_step() { advance(v, v_done, v_slot, v_line, std::min(lines, v_done + v_per)); }
 };
 
-// A row's chunk from position pos: up to CHUNK positions before `end`, their slots in `slots`. The
-// chunks depend on the row's positions only (never on the batch or on how the row is processed).
-inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int64_t end, int64_t* slots) {
-    const int64_t n = std::min<int64_t>(CHUNK, end - pos), bs = a.block_size;
-    for (int64_t t = 0; t < n; t++) slots[t] = (int64_t)table[(pos + t) / bs] * bs + (pos + t) % bs;
+// Whether a chunk of KV type KV spans blocks (up to CHUNK positions) or ends with its block. The
+// 8-bit types' chunks span blocks: their softmax and accumulator passes cost more than their reads
+// (int8 and fp8 1.15-1.25x faster across blocks and with paired heads, decode_attention.py
+// --baseline-lib on AVX2); a wider type's chunk stays in its block (bfloat16 took ~10% longer with
+// chunks of 4 blocks at block size 8: 32 positions of K and V ahead no longer fit L1 beside the
+// current ones). Always the in-place type's rule, so a staged tile takes the chunks a lone row takes.
+template <typename KV>
+constexpr bool ACROSS_BLOCKS = sizeof(KV) == 1;
+
+// A row's chunk from position pos: up to CHUNK positions before `end` (and, unless `across`, before
+// its block's end), their slots in `slots`. The chunks depend on the row's positions only (never on
+// the batch or on how the row is processed).
+inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int64_t end, bool across,
+                           int64_t* slots) {
+    const int64_t bs = a.block_size;
+    const int64_t n = std::min<int64_t>({CHUNK, end - pos, across ? CHUNK : bs - pos % bs});
+    int64_t block = pos / bs, off = pos % bs;  // one division per chunk (one per position cost ~1/10 of a chunk)
+    int64_t base = (int64_t)table[block] * bs;
+    for (int64_t t = 0; t < n; t++) {
+        slots[t] = base + off;
+        if (++off == bs && t + 1 < n) {
+            off = 0;
+            base = (int64_t)table[++block] * bs;
+        }
+    }
     return n;
 }
 
@@ -236,7 +255,7 @@ NextChunkPrefetch::NextChunkPrefetch(const Args& a, const int32_t* table, int64_
     if (next < end) {
         k = reinterpret_cast<const char*>(kc);
         v = reinterpret_cast<const char*>(vc);
-        const int64_t n = chunk_slots(a, table, next, end, slots);
+        const int64_t n = chunk_slots(a, table, next, end, ACROSS_BLOCKS<KV>, slots);
         lines = n * lines_per_slot;
         if (a.k_scale != nullptr) prefetch_scales(a, n);
     }
@@ -362,7 +381,7 @@ AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64
         if (SCALED<KV>)
             sums = _mm256_mul_ps(sums, GS == 1 ? _mm256_load_ps(ks + t0) : _mm256_broadcast_ps(reinterpret_cast<const __m128*>(ks + t0)));
         store_scores<GS>(s, g0, t0, sums, n - t0);
-        for (int g = 0; g < GS; g++) prefetch.k_step();  // as many steps as single-head groups of 8 tokens
+        prefetch.k_step();  // one step per 8 scores, as a lone head's group of 8 tokens takes
     }
 }
 
@@ -643,7 +662,7 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
             if (pos[r] >= end[r]) continue;
             active = true;
             int64_t slots[CHUNK];
-            const int64_t n = chunk_slots(a, table, pos[r], end[r], slots);
+            const int64_t n = chunk_slots(a, table, pos[r], end[r], ACROSS_BLOCKS<KV>, slots);
             float* acc = state[r];
             if (r == 0) {
                 NextChunkPrefetch prefetch(a, table, pos[r] + n, end[r], kc, vc, H * ((n + 7) / 8));
@@ -756,7 +775,7 @@ void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* star
             if (pos[r] >= end[r]) continue;
             active = true;
             int64_t slots[CHUNK];
-            const int64_t n = chunk_slots(a, table, pos[r], end[r], slots);  // tile_item's chunks
+            const int64_t n = chunk_slots(a, table, pos[r], end[r], ACROSS_BLOCKS<KV>, slots);  // tile_item's chunks
             if (run.generation != generation || run.table != table || run.pos != pos[r] || run.n < n) {
                 stage_run<KV, Widen>(a, slots, n, run);
                 run.generation = generation;
