@@ -178,8 +178,10 @@ struct NextChunkPrefetch {
     const char* k = nullptr;
     const char* v = nullptr;
     int64_t slots[CHUNK];
-    int64_t row_bytes = 0, lines_per_slot = 1, lines = 0, k_done = 0, v_done = 0, k_per = 1, v_per = 1;
-    int64_t k_slot = 0, k_line = 0, v_slot = 0, v_line = 0;  // where k_done / v_done point (no division)
+    // the chunk as runs of contiguous slots (one per block it touches): byte offset and lines of each
+    int64_t run_at[CHUNK], run_lines[CHUNK];
+    int64_t lines = 0, k_done = 0, v_done = 0, k_per = 1, v_per = 1;
+    int64_t k_run = 0, k_line = 0, v_run = 0, v_line = 0;  // where k_done / v_done point
 
     NextChunkPrefetch() = default;  // prefetches nothing (a tile's later rows: the first row's chunks did)
 
@@ -205,18 +207,18 @@ struct NextChunkPrefetch {
                 }
         }
     }
-    // prefetches the lines from `done` to `stop` of the chunk's slots, base k or v
-    inline void advance(const char* base, int64_t& done, int64_t& slot, int64_t& ln, int64_t stop) {
+    // prefetches the chunk's lines from `done` to `stop`, base k or v
+    inline void advance(const char* base, int64_t& done, int64_t& run, int64_t& ln, int64_t stop) {
         for (; done < stop; done++) {
-            _mm_prefetch(base + slots[slot] * row_bytes + 64 * ln, _MM_HINT_T0);
-            if (++ln == lines_per_slot) {
+            _mm_prefetch(base + run_at[run] + 64 * ln, _MM_HINT_T0);
+            if (++ln == run_lines[run]) {
                 ln = 0;
-                slot++;
+                run++;
             }
         }
     }
-    inline void k_step() { advance(k, k_done, k_slot, k_line, std::min(lines, k_done + k_per)); }
-    inline void v_step() { advance(v, v_done, v_slot, v_line, std::min(lines, v_done + v_per)); }
+    inline void k_step() { advance(k, k_done, k_run, k_line, std::min(lines, k_done + k_per)); }
+    inline void v_step() { advance(v, v_done, v_run, v_line, std::min(lines, v_done + v_per)); }
 };
 
 // Whether a chunk of KV type KV spans blocks (up to CHUNK positions) or ends with its block. The
@@ -250,13 +252,19 @@ inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int
 template <typename KV>
 NextChunkPrefetch::NextChunkPrefetch(const Args& a, const int32_t* table, int64_t next, int64_t end, const KV* kc,
                                  const KV* vc, int64_t k_steps) {
-    row_bytes = a.num_kv_heads * a.head_dim * (int64_t)sizeof(KV);  // a slot's K (or V), all heads
-    lines_per_slot = (row_bytes + 63) / 64;
+    const int64_t row_bytes = a.num_kv_heads * a.head_dim * (int64_t)sizeof(KV);  // a slot's K (or V), all heads
     if (next < end) {
         k = reinterpret_cast<const char*>(kc);
         v = reinterpret_cast<const char*>(vc);
         const int64_t n = chunk_slots(a, table, next, end, ACROSS_BLOCKS<KV>, slots);
-        lines = n * lines_per_slot;
+        for (int64_t t0 = 0, runs = 0; t0 < n; runs++) {
+            int64_t t = t0 + 1;
+            while (t < n && slots[t] == slots[t - 1] + 1) t++;
+            run_at[runs] = slots[t0] * row_bytes;
+            run_lines[runs] = ((t - t0) * row_bytes + 63) / 64;
+            lines += run_lines[runs];
+            t0 = t;
+        }
         if (a.k_scale != nullptr) prefetch_scales(a, n);
     }
     k_per = (lines + k_steps - 1) / k_steps;
@@ -385,6 +393,29 @@ AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64
     }
 }
 
+// One head's online softmax over a chunk's n scores, 8 at a time: s becomes the weights (times
+// `vscale`, int8's V scales, when given: after l summed them unscaled), m and l move on; returns the
+// old sums' rescale (0 on the first chunk, m = -inf). Lanes n .. 8 * ceil(n / 8) are set to -inf
+// first (a 4-token score group may leave them unwritten).
+AVX2H float softmax8(float* s, int64_t n, float& m, float& l, const float* vscale) {
+    const int64_t n8 = (n + 7) / 8;
+    for (int64_t t = n; t < 8 * n8; t++) s[t] = -std::numeric_limits<float>::infinity();
+    __m256 mx8 = _mm256_set1_ps(m);
+    for (int64_t c = 0; c < n8; c++) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(s + 8 * c));
+    const float mx = hmax8(mx8);
+    const float corr = std::exp(m - mx);
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n8; c++) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s + 8 * c), mxv));
+        sum = _mm256_add_ps(sum, p);
+        _mm256_store_ps(s + 8 * c, vscale != nullptr ? _mm256_mul_ps(p, _mm256_load_ps(vscale + 8 * c)) : p);
+    }
+    l = l * corr + hsum8(sum);
+    m = mx;
+    return corr;
+}
+
 template <typename KV, int GS>
 AVX2H void v_group(const Args& a, float* acc, const KV* vh, const int64_t* slots, int64_t n,
                    const float* const* p, const float* corr, NextChunkPrefetch& prefetch) {
@@ -426,7 +457,6 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
     const KV* vc = static_cast<const KV*>(a.v_cache);
     alignas(32) float s[MAX_HEADS][CHUNK];
     alignas(32) float ks[CHUNK], vs[CHUNK], corr[MAX_HEADS];  // int8: the chunk's scales
-    const int64_t n8 = (n + 7) / 8;
     // scores: the query heads of one KV head two at a time (each K element widened once per pair),
     // an odd one alone
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
@@ -438,41 +468,23 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
         for (; g < kvh * G + G; g++) score_group<KV, 1>(a, qs, kh, slots, n, ks, g, s, prefetch);
     }
     for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
-    // online softmax, 8 scores at a time: s[g] becomes the weights, corr[g] the old sums' rescale
-    for (int64_t g = 0; g < H; g++) {
-        // a 4-token score group may leave the lanes up to the next multiple of 8 unwritten: -inf
-        for (int64_t t = n; t < 8 * n8; t++) s[g][t] = -std::numeric_limits<float>::infinity();
-        __m256 mx8 = _mm256_set1_ps(m[g]);
-        for (int64_t c = 0; c < n8; c++) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(&s[g][8 * c]));
-        const float mx = hmax8(mx8);
-        corr[g] = std::exp(m[g] - mx);  // 0 on the first chunk (m = -inf)
-        const __m256 mxv = _mm256_set1_ps(mx);
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t c = 0; c < n8; c++) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[g][8 * c]), mxv));
-            _mm256_store_ps(&s[g][8 * c], p);
-            sum = _mm256_add_ps(sum, p);
-        }
-        l[g] = l[g] * corr[g] + hsum8(sum);
-        m[g] = mx;
-    }
-    // acc = acc * corr + sum_t p_t v_t for the heads of one KV head, two at a time (each V element
-    // widened once per pair); int8's weights take the V scales first (after l summed them unscaled)
+    // acc = acc * corr + sum_t p_t v_t: int8's weights take the V scales first (after l summed them
+    // unscaled). Paired types: every head's softmax, then the heads of one KV head two at a time (each
+    // V element widened once per pair); the others head by head, each V pass right after its softmax
+    // while its weights are hot (wide types measured 0.9x with the softmax pass apart)
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* vh = vc + kvh * D;
-        if (SCALED<KV>) {
-            run_scales(a.v_scale, slots, n, kvh, a.num_kv_heads, vs);
-            for (int64_t g = kvh * G; g < kvh * G + G; g++)
-                for (int64_t c = 0; c < n8; c++)
-                    _mm256_store_ps(&s[g][8 * c], _mm256_mul_ps(_mm256_load_ps(&s[g][8 * c]), _mm256_load_ps(vs + 8 * c)));
-        }
+        if (SCALED<KV>) run_scales(a.v_scale, slots, n, kvh, a.num_kv_heads, vs);
         int64_t g = kvh * G;
-        if (PAIRED<KV>)
+        if (PAIRED<KV>) {
+            for (int64_t h = g; h < kvh * G + G; h++) corr[h] = softmax8(s[h], n, m[h], l[h], SCALED<KV> ? vs : nullptr);
             for (; g + 2 <= kvh * G + G; g += 2) {
                 const float* p[2] = {s[g], s[g + 1]};
                 v_group<KV, 2>(a, acc + g * D, vh, slots, n, p, corr + g, prefetch);
             }
+        }
         for (; g < kvh * G + G; g++) {
+            if (!PAIRED<KV>) corr[g] = softmax8(s[g], n, m[g], l[g], SCALED<KV> ? vs : nullptr);
             const float* p[1] = {s[g]};
             v_group<KV, 1>(a, acc + g * D, vh, slots, n, p, corr + g, prefetch);
         }
