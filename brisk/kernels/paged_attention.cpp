@@ -355,16 +355,16 @@ AVX2H void store_scores(float (*s)[CHUNK], int64_t g0, int64_t t0, __m256 sums, 
 }
 
 // For GS heads sharing one KV head: acc_g[0 .. 8W) = acc_g * corr_g + sum over t < n of
-// p_g[t] * v[slots[t] * stride + (0 .. 8W)], acc_g = acc + g * D. Each V vector is widened once for
+// p_g[t] * v[at[t] + (0 .. 8W)], acc_g = acc + g * D. Each V vector is widened once for
 // all GS heads; an element gets the same operations in the same order whatever GS is.
 template <typename KV, int GS, int W>
-AVX2H void accumulate_v(float* acc, int64_t D, const KV* v, const int64_t* slots, const float* const* p, int64_t n,
-                        int64_t stride, const float* corr) {
+AVX2H void accumulate_v(float* acc, int64_t D, const KV* v, const int64_t* at, const float* const* p, int64_t n,
+                        const float* corr) {
     __m256 x[GS][W];
     for (int g = 0; g < GS; g++)
         for (int w = 0; w < W; w++) x[g][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * w), _mm256_set1_ps(corr[g]));
     for (int64_t t = 0; t < n; t++) {
-        const KV* row = v + slots[t] * stride;
+        const KV* row = v + at[t];
         __m256 pt[GS];
         for (int g = 0; g < GS; g++) pt[g] = _mm256_set1_ps(p[g][t]);
         for (int w = 0; w < W; w++) {
@@ -378,13 +378,13 @@ AVX2H void accumulate_v(float* acc, int64_t D, const KV* v, const int64_t* slots
 
 // heads g0 .. g0 + GS of one KV head, all of head_dim: their scores (into s), or their V sums
 template <typename KV, int GS>
-AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64_t* slots, int64_t n,
+AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64_t* at, int64_t n,
                        const float* ks, int64_t g0, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
     constexpr int T = 8 / GS;
-    const int64_t D = a.head_dim, stride = a.num_kv_heads * D;
+    const int64_t D = a.head_dim;
     for (int64_t t0 = 0; t0 < n; t0 += T) {
         const KV* rows[T];
-        for (int j = 0; j < T; j++) rows[j] = kh + slots[std::min<int64_t>(t0 + j, n - 1)] * stride;
+        for (int j = 0; j < T; j++) rows[j] = kh + at[t0 + j];
         __m256 sums = scores_heads<KV, GS>(qs + g0 * D, D, rows, D / 8);
         if (SCALED<KV>)
             sums = _mm256_mul_ps(sums, GS == 1 ? _mm256_load_ps(ks + t0) : _mm256_broadcast_ps(reinterpret_cast<const __m128*>(ks + t0)));
@@ -417,13 +417,13 @@ AVX2H float softmax8(float* s, int64_t n, float& m, float& l, const float* vscal
 }
 
 template <typename KV, int GS>
-AVX2H void v_group(const Args& a, float* acc, const KV* vh, const int64_t* slots, int64_t n,
+AVX2H void v_group(const Args& a, float* acc, const KV* vh, const int64_t* at, int64_t n,
                    const float* const* p, const float* corr, NextChunkPrefetch& prefetch) {
-    const int64_t D = a.head_dim, V = D / 8, stride = a.num_kv_heads * D;
+    const int64_t D = a.head_dim, V = D / 8;
     int64_t v0 = 0;
     // GS x W accumulators: at most 8 of the 16 registers
-    for (; v0 + 8 / GS <= V; v0 += 8 / GS) accumulate_v<KV, GS, 8 / GS>(acc + 8 * v0, D, vh + 8 * v0, slots, p, n, stride, corr);
-    for (; v0 < V; v0++) accumulate_v<KV, GS, 1>(acc + 8 * v0, D, vh + 8 * v0, slots, p, n, stride, corr);
+    for (; v0 + 8 / GS <= V; v0 += 8 / GS) accumulate_v<KV, GS, 8 / GS>(acc + 8 * v0, D, vh + 8 * v0, at, p, n, corr);
+    for (; v0 < V; v0++) accumulate_v<KV, GS, 1>(acc + 8 * v0, D, vh + 8 * v0, at, p, n, corr);
     for (int g = 0; g < GS; g++) prefetch.v_step();
 }
 
@@ -457,6 +457,11 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
     const KV* vc = static_cast<const KV*>(a.v_cache);
     alignas(32) float s[MAX_HEADS][CHUNK];
     alignas(32) float ks[CHUNK], vs[CHUNK], corr[MAX_HEADS];  // int8: the chunk's scales
+    // each position's element offset in the cache; the positions past n up to a multiple of 8 repeat
+    // the last one (a score group reads them, then sets their scores to -inf)
+    int64_t at[CHUNK];
+    const int64_t stride = a.num_kv_heads * D;
+    for (int64_t t = 0; t < (n + 7) / 8 * 8; t++) at[t] = slots[std::min<int64_t>(t, n - 1)] * stride;
     // scores: the query heads of one KV head two at a time (each K element widened once per pair),
     // an odd one alone
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
@@ -464,8 +469,8 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
         if (SCALED<KV>) run_scales(a.k_scale, slots, n, kvh, a.num_kv_heads, ks);
         int64_t g = kvh * G;
         if (PAIRED<KV>)
-            for (; g + 2 <= kvh * G + G; g += 2) score_group<KV, 2>(a, qs, kh, slots, n, ks, g, s, prefetch);
-        for (; g < kvh * G + G; g++) score_group<KV, 1>(a, qs, kh, slots, n, ks, g, s, prefetch);
+            for (; g + 2 <= kvh * G + G; g += 2) score_group<KV, 2>(a, qs, kh, at, n, ks, g, s, prefetch);
+        for (; g < kvh * G + G; g++) score_group<KV, 1>(a, qs, kh, at, n, ks, g, s, prefetch);
     }
     for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
     // acc = acc * corr + sum_t p_t v_t: int8's weights take the V scales first (after l summed them
@@ -480,13 +485,13 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
             for (int64_t h = g; h < kvh * G + G; h++) corr[h] = softmax8(s[h], n, m[h], l[h], SCALED<KV> ? vs : nullptr);
             for (; g + 2 <= kvh * G + G; g += 2) {
                 const float* p[2] = {s[g], s[g + 1]};
-                v_group<KV, 2>(a, acc + g * D, vh, slots, n, p, corr + g, prefetch);
+                v_group<KV, 2>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
             }
         }
         for (; g < kvh * G + G; g++) {
             if (!PAIRED<KV>) corr[g] = softmax8(s[g], n, m[g], l[g], SCALED<KV> ? vs : nullptr);
             const float* p[1] = {s[g]};
-            v_group<KV, 1>(a, acc + g * D, vh, slots, n, p, corr + g, prefetch);
+            v_group<KV, 1>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
         }
     }
 }
