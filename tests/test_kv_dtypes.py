@@ -140,13 +140,15 @@ def float64_attention(q, keys, values, tables, lengths, bs, scale, window=None, 
 @pytest.mark.parametrize("isa", sorted(ISAS))
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("kv", list(DTYPES.values()), ids=lambda d: d.name)
-def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, staged, kv):
-    """Ragged rows over scattered blocks (block size 8: runs cross blocks on the staged loop), GQA,
-    a sliding window on one call and a softcap on another, parts merged or not: the kernel against
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (9, 3)], ids=["gqa4", "gqa3"])
+def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, staged, kv, heads, kv_heads):
+    """Ragged rows over scattered blocks (block size 8: an 8-bit type's chunks cross blocks), GQA
+    groups of 4 and of 3 (the AVX2 loop takes an 8-bit type's heads in pairs: 2+2, and 2+1), a
+    sliding window on one call and a softcap on another, parts merged or not: the kernel against
     float64 attention over exactly the values the cache holds (what kv_codec.decode widens them to)."""
     lib.brisk_paged_attention_force_isa(isa)
     lib.brisk_paged_attention_staged(2 if staged else 0)
-    bs, heads, kv_heads, dim = 8, 8, 2, 64
+    bs, dim = 8, 64
     lengths = [1, 7, 8, 33, 300, 1100]
     num_blocks = sum(-(-n // bs) for n in lengths) + 2
     gen = torch.Generator().manual_seed(7)
