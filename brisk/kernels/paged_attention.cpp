@@ -60,7 +60,7 @@ struct Args {
     float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2's soft-capping)
 };
 
-// Gemma 2's soft-capped scores, on the n scores of a run (the lanes past it stay -inf)
+// Gemma 2's soft-capped scores, on the n scores of a chunk (the lanes past it stay -inf)
 inline void cap_scores(const Args& a, float* s, int64_t n) {
     if (a.softcap > 0.f)
         for (int64_t t = 0; t < n; t++) s[t] = a.softcap * std::tanh(s[t] / a.softcap);
@@ -587,7 +587,7 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
     alignas(64) float s[MAX_HEADS][CHUNK];
-    alignas(64) float ks[CHUNK], vs[CHUNK], ps[CHUNK];  // int8: the run's scales, scaled weights
+    alignas(64) float ks[CHUNK], vs[CHUNK], ps[CHUNK];  // int8: the chunk's scales, scaled weights
     const int64_t n16 = (n + 15) / 16;
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* kh = kc + kvh * D;
@@ -610,7 +610,7 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
                 store_scores<1>(s, g, t0, sums, n - t0);
                 prefetch.k_step();
             }
-            // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the run's scores, -inf
+            // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the chunk's scores, -inf
             for (int64_t t = (n + 7) / 8 * 8; t < n16 * 16; t++) s[g][t] = -std::numeric_limits<float>::infinity();
         }
     }
