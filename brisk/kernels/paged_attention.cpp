@@ -237,7 +237,7 @@ inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int
                            int64_t* slots) {
     const int64_t bs = a.block_size;
     const int64_t n = std::min<int64_t>({CHUNK, end - pos, across ? CHUNK : bs - pos % bs});
-    int64_t block = pos / bs, off = pos % bs;  // one division per chunk (one per position cost ~1/10 of a chunk)
+    int64_t block = pos / bs, off = pos % bs;  // one division per chunk, none per position
     int64_t base = (int64_t)table[block] * bs;
     for (int64_t t = 0; t < n; t++) {
         slots[t] = base + off;
@@ -376,7 +376,7 @@ AVX2H void accumulate_v(float* acc, int64_t D, const KV* v, const int64_t* at, c
         for (int w = 0; w < W; w++) _mm256_storeu_ps(acc + g * D + 8 * w, x[g][w]);
 }
 
-// heads g0 .. g0 + GS of one KV head, all of head_dim: their scores (into s), or their V sums
+// The scores of heads g0 .. g0 + GS of one KV head (all of head_dim) over the chunk, into s
 template <typename KV, int GS>
 AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64_t* at, int64_t n,
                        const float* ks, int64_t g0, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
@@ -416,12 +416,13 @@ AVX2H float softmax8(float* s, int64_t n, float& m, float& l, const float* vscal
     return corr;
 }
 
+// The V sums of heads g0 .. g0 + GS of one KV head (acc = head g0's), all of head_dim, in slices of W
+// vectors (GS x W accumulators: at most 8 of AVX2's 16 registers)
 template <typename KV, int GS>
 AVX2H void v_group(const Args& a, float* acc, const KV* vh, const int64_t* at, int64_t n,
                    const float* const* p, const float* corr, NextChunkPrefetch& prefetch) {
     const int64_t D = a.head_dim, V = D / 8;
     int64_t v0 = 0;
-    // GS x W accumulators: at most 8 of the 16 registers
     for (; v0 + 8 / GS <= V; v0 += 8 / GS) accumulate_v<KV, GS, 8 / GS>(acc + 8 * v0, D, vh + 8 * v0, at, p, n, corr);
     for (; v0 < V; v0++) accumulate_v<KV, GS, 1>(acc + 8 * v0, D, vh + 8 * v0, at, p, n, corr);
     for (int g = 0; g < GS; g++) prefetch.v_step();
@@ -475,8 +476,8 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
     for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
     // acc = acc * corr + sum_t p_t v_t: int8's weights take the V scales first (after l summed them
     // unscaled). Paired types: every head's softmax, then the heads of one KV head two at a time (each
-    // V element widened once per pair); the others head by head, each V pass right after its softmax
-    // while its weights are hot (wide types measured 0.9x with the softmax pass apart)
+    // V element widened once per pair); the others head by head, each V pass right after its softmax,
+    // in the order they had before pairing
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* vh = vc + kvh * D;
         if (SCALED<KV>) run_scales(a.v_scale, slots, n, kvh, a.num_kv_heads, vs);
