@@ -280,10 +280,12 @@ NextChunkPrefetch::NextChunkPrefetch(const Args& a, const int32_t* table, int64_
 using widen::load8;  // float, bf16, f16 (simd_widen.h); the 8-bit types below
 AVX2H __m128i bytes8(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 AVX2H __m256 load8(const e5m2_t* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes8(p)), 8)); }
+// e4m3 s.eeee.mmm -> float16 s.0eeee.mmm0000000 (the value / 256: exponent bias 7 vs 15, and e4m3's
+// subnormals land on float16's). Sign-extended to 16 bits and shifted left by 7, the byte's sign
+// lands in bits 15 and 14; clearing bit 14 leaves exactly that float16.
 AVX2H __m256 load8(const e4m3_t* p) {
-    const __m128i b = _mm_cvtepu8_epi16(bytes8(p));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    const __m128i b = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes8(p)), 7);
+    const __m128i h = _mm_and_si128(b, _mm_set1_epi16(static_cast<short>(0xBFFF)));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(kvt::E4M3_UNSCALE));
 }
 AVX2H __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(p))); }
