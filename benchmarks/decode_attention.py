@@ -126,8 +126,8 @@ def main() -> None:
             use.brisk_paged_attention_staged(default_mode if mode is None else mode)
             kernels._lib = use  # the build paged_decode_attention calls (this process's, or the baseline)
             try:
-                kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs, scale,
-                                               kv_dtype=cache.dtype, scales=cache.scales(0))
+                return kernels.paged_decode_attention(q, cache.k[0], cache.v[0], table_t, lens, bs, scale,
+                                                      kv_dtype=cache.dtype, scales=cache.scales(0))
             finally:
                 kernels._lib = lib
         return run
@@ -146,6 +146,8 @@ def main() -> None:
         baseline = kernels._bind(Path(args.baseline_lib))
         for name, cache in caches.items():
             paths[(name, f"baseline {served}")] = kernel(cache, -1, build=baseline)
+            same = torch.equal(paths[(name, f"kernel {served}")](), paths[(name, f"baseline {served}")]())
+            print(f"{name}: this build's output {'equals' if same else 'DIFFERS FROM'} the baseline's, bit for bit")
     if best_isa > 2:
         paths[(first, "kernel avx2")] = kernel(caches[first], 2)
     if args.hugepages:
