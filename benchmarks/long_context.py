@@ -7,7 +7,10 @@ greedy, ignore_eos:
      decode-heavy)
   c  RAG: one shared ~1,000-token document + a unique question, 32 streams, 64 requests,
      64-token replies (prefix caching's case: TTFT is the figure)
---half halves the streams and requests of a and b and the requests of c.
+  d  16 streams, 16 requests, unique ~2,000-token prompts, 256-token replies: long-context decode.
+     Its figure is the last column, the tok/s while all 16 stream (from the last first token to
+     the first end: no prompt is processed in that window, so every step reads 16 long contexts)
+--half halves the streams and requests of a, b and d and the requests of c.
 
 Systems (each started here on 127.0.0.1 and stopped after its runs, one at a time):
   brisk          `brisk serve` on the demo model, decode attention on the compiled kernel
@@ -52,7 +55,7 @@ from quantized_peers import stop  # noqa: E402
 from run_peers import free_port, wait_ready  # noqa: E402
 
 from brisk.bench.client import BenchRequest, run_concurrency  # noqa: E402
-from brisk.bench.metrics import summarize  # noqa: E402
+from brisk.bench.metrics import all_decoding_window, summarize  # noqa: E402
 
 MODEL_ID = "smollm2-135m-instruct"
 WORDS = ("the river runs past old stone walls where people build small boats and sell fresh bread in the "
@@ -89,7 +92,10 @@ def workloads(scale: float, half: bool) -> dict[str, Workload]:
     document = text(int(900 * scale), rng)
     c = [chat(f"Document:\n{document}\n\nQuestion {i}: what does the document say about "
               f"{rng.choice(WORDS)} and {rng.choice(WORDS)}?", 64) for i in range(64 // k)]
-    return {"a": Workload(f"a: {16 // k} streams, {len(a)} requests, unique ~1.5k-token prompts, 64 generated",
+    d = [chat(f"Continue this text:\n{text(int(1960 * scale), rng)}", 256) for _ in range(16 // k)]
+    return {"d": Workload(f"d: {16 // k} streams, {len(d)} requests, ~2k-token prompts + 256 generated",
+                          16 // k, d),
+            "a": Workload(f"a: {16 // k} streams, {len(a)} requests, unique ~1.5k-token prompts, 64 generated",
                           16 // k, a),
             "b": Workload(f"b: {64 // k} streams, {len(b)} requests, ~1.9k-token prompts + 128 generated",
                           64 // k, b),
@@ -139,10 +145,12 @@ def run_system(system: str, chosen: list[str], loads: dict[str, Workload], args,
             records = asyncio.run(run_concurrency(url, MODEL_ID, w.requests, w.concurrency, timeout_s=1800))
             s = summarize(records)
             prompt = s.total_input_tokens / max(s.completed, 1)
+            window = all_decoding_window(records)
+            decoding = "-" if window is None else f"{window.tokens_per_s:.1f} ({window.seconds:.0f} s)"
             cached = "n/a" if s.cached_input_tokens is None else f"{s.cached_input_tokens / max(s.total_input_tokens, 1):.0%}"
             rows.append(f"| {key} | {system} | {prompt:.0f} | {s.output_throughput:.1f} | "
                         f"{s.ttft.median:.2f} s | {s.ttft.p99:.2f} s | {s.itl.median * 1e3:.0f} ms | "
-                        f"{s.tpot.median * 1e3:.0f} ms | {cached} | {s.failed} |")
+                        f"{s.tpot.median * 1e3:.0f} ms | {cached} | {s.failed} | {decoding} |")
             print(rows[-1], flush=True)
     except RuntimeError as e:
         rows.append(f"| - | {system} | failed: {e} (see {log}) |")
@@ -172,8 +180,8 @@ def main() -> None:
     for key in chosen:
         print(f"- {loads[key].name}")
     print("| workload | system | prompt tokens (mean) | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | TPOT median "
-          "| prompt tokens cached | failed |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| prompt tokens cached | failed | tok/s while all streams decode (window) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for system in systems:
         run_system(system, chosen, loads, args, args.work / f"{system}.log")
     bandwidth, how = read_bandwidth_gbs()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brisk.bench.metrics import SLO, RequestRecord, summarize
+from brisk.bench.metrics import SLO, RequestRecord, all_decoding_window, summarize
 from brisk.bench.workloads import arrival_offsets, parse_length_dist, replay, PromptMaker
 from brisk.errors import BriskError
 
@@ -48,6 +48,19 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert summarize([a, b, c], SLO(ttft_ms=300)).goodput == pytest.approx(1 / 1.5)  # only b
     assert summarize([a, b, c], SLO(ttft_ms=600, tpot_ms=200)).goodput == pytest.approx(1 / 1.5)  # b's tpot 300
     assert summarize([a, b, c], SLO(e2el_ms=900)).goodput == pytest.approx(2 / 1.5)
+
+
+def test_all_decoding_window_counts_chunks_while_every_request_decodes():
+    # x starts decoding at 1.0 and ends at 3.0; y's first chunk is at 1.5 (its prompt ran until then)
+    x = RequestRecord(sent_ts=0.0, chunk_ts=[1.0, 1.4, 1.6, 1.8, 2.0, 3.0], end_ts=3.0, output_tokens=6)
+    y = RequestRecord(sent_ts=0.0, chunk_ts=[1.5, 1.7, 1.9, 2.1, 2.5], end_ts=2.5, output_tokens=5)
+    w = all_decoding_window([x, y])
+    # window (1.5, 2.5]: x's 1.6, 1.8, 2.0 and y's 1.7, 1.9, 2.1, 2.5 (y's first chunk opens it)
+    assert (w.seconds, w.chunks) == (pytest.approx(1.0), 7) and w.tokens_per_s == pytest.approx(7.0)
+    # more requests than streams: the last started after the first ended; no such window
+    z = RequestRecord(sent_ts=3.1, chunk_ts=[3.5, 3.6], end_ts=3.6, output_tokens=2)
+    assert all_decoding_window([x, y, z]) is None
+    assert all_decoding_window([x, y, records()[2]]) is None  # a failed request: no figure
 
 
 def test_length_distributions():

@@ -5,6 +5,8 @@
 - TPOT: (E2E - TTFT) / (output_tokens - 1), per request with more than one output token.
 - E2E: request sent -> last chunk.
 - Throughput: output tokens / wall time of the run; goodput: requests meeting every SLO / time.
+- All-decoding throughput: content chunks per second in the window where every request of the run
+  has its first chunk and none has ended (a decode-only figure: no prompt is being processed).
 
 Pure Python + numpy; timestamps are `time.perf_counter()` seconds.
 """
@@ -155,3 +157,23 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> Summary:
         goodput=None if slo is None else sum(slo.met_by(r) for r in ok) / duration,
         errors=errors, cached_input_tokens=cached,
     )
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    tokens_per_s: float  # content chunks per second (one per token when chunks carry one token each)
+    seconds: float
+    chunks: int
+
+
+def all_decoding_window(records: list[RequestRecord]) -> DecodeWindow | None:
+    """Throughput while every request decodes: from the last first chunk to the first end. None when
+    the requests never all ran at once (more requests than streams, or a failed request)."""
+    if not records or not all(r.ok and r.chunk_ts for r in records):
+        return None
+    start = max(r.chunk_ts[0] for r in records)
+    end = min(r.end_ts for r in records)  # type: ignore[type-var]  (ok: end_ts is set)
+    if end <= start:
+        return None
+    chunks = sum(1 for r in records for ts in r.chunk_ts if start < ts <= end)
+    return DecodeWindow(chunks / (end - start), end - start, chunks)
