@@ -8,7 +8,7 @@ greedy, ignore_eos:
   c  RAG: one shared ~1,000-token document + a unique question, 32 streams, 64 requests,
      64-token replies (prefix caching's case: TTFT is the figure)
   d  16 streams, 16 requests, unique ~2,000-token prompts, 256-token replies: long-context decode.
-     Its figure is the last column, the tok/s while all 16 stream (from the last first token to
+     Its figure is the last column, the tok/s while all 16 streams decode (from the last first token to
      the first end: no prompt is processed in that window, so every step reads 16 long contexts)
 --half halves the streams and requests of a, b and d and the requests of c.
 
