@@ -22,7 +22,7 @@ import statistics
 import time
 
 from decode_speed import read_bandwidth_gbs
-from long_context import WORDS
+from long_context import text
 
 
 def build(model: str, kv_dtype: str, block_size: int, prompts: list[str], max_new: int, context: int):
@@ -73,7 +73,7 @@ def main() -> None:
     configs = [(dt, int(bs)) for bs in args.block_size.split(",") for dt in args.kv_dtype.split(",")]
     dtypes = [f"{dt}/{bs}" for dt, bs in configs]  # labels
     rng = random.Random(0)
-    prompts = [f"Continue this text:\n{' '.join(rng.choice(WORDS) for _ in range(int(args.context * 0.98)))}"
+    prompts = [f"Continue this text:\n{text(int(args.context * 0.98), rng)}"
                for _ in range(args.streams)]
     bandwidth, how = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); {args.streams} streams", flush=True)
