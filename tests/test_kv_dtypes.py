@@ -137,6 +137,18 @@ def float64_attention(q, keys, values, tables, lengths, bs, scale, window=None, 
     return torch.stack(out)
 
 
+def scored_query(lib, q: torch.Tensor, scale: float, kv) -> torch.Tensor:
+    """The scaled query, in float64, as the path the kernel runs scores with it: AVX2's int8 loop
+    rounds each head's to int16 codes (its largest element to 32767, ties to even) and scores them
+    against the int8 codes in integers; every other path takes it as it is."""
+    qs = q * scale  # float32, as the kernel's prep
+    if kv is not INT8 or lib.brisk_paged_attention_isa() != 2:
+        return qs.double()
+    step = qs.abs().amax(-1, keepdim=True) / 32767
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return torch.round(qs / step).double() * step.double()
+
+
 @pytest.mark.parametrize("isa", sorted(ISAS))
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("kv", list(DTYPES.values()), ids=lambda d: d.name)
@@ -145,7 +157,8 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
     """Ragged rows over scattered blocks (block size 8: an 8-bit type's chunks cross blocks), GQA
     groups of 4 and of 3 (the AVX2 loop takes an 8-bit type's heads in pairs: 2+2, and 2+1), a
     sliding window on one call and a softcap on another, parts merged or not: the kernel against
-    float64 attention over exactly the values the cache holds (what kv_codec.decode widens them to)."""
+    float64 attention over exactly the values the cache holds (what kv_codec.decode widens them to)
+    and the query as the path scores it; the int16 query's rounding costs less than 1e-4."""
     lib.brisk_paged_attention_force_isa(isa)
     lib.brisk_paged_attention_staged(2 if staged else 0)
     bs, dim = 8, 64
@@ -159,13 +172,16 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
     q = torch.randn(len(lengths), heads, dim, generator=gen)
     tables = block_tables(scattered(lengths, bs, num_blocks, 7, spare=False), lengths, bs)
     lens = torch.tensor(lengths, dtype=torch.int32)
+    scored = scored_query(lib, q, 0.125, kv)
     for part, window, softcap in ((0, None, None), (64, None, None), (64, 100, None), (0, None, 2.0)):
-        want = float64_attention(q, keys, values, tables, lens, bs, 0.125, window, softcap)
+        want = float64_attention(scored, keys, values, tables, lens, bs, 1.0, window, softcap)
         out = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, 0.125, part_tokens=part,
                                              window=window, softcap=softcap, kv_dtype=kv, scales=cache.scales(0))
         assert out is not None
         err = (out.double() - want).abs().max().item()
         assert err < 2e-5, (ISAS[isa], staged, part, window, softcap, err)
+        exact = float64_attention(q, keys, values, tables, lens, bs, 0.125, window, softcap)
+        assert (out.double() - exact).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))

@@ -19,7 +19,9 @@
 // keeps every core busy when few rows are long.
 //
 // Narrow elements are widened to float32 in registers as they are loaded (no dequantized copy);
-// an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements.
+// an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements. The
+// AVX2 loop scores int8 K without widening it to float: the query, rounded to int16 per head, meets
+// the codes in integer multiply-adds (scores_heads_i8).
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py). An AVX-512 item loop (head_dim a
 // multiple of 16) or an AVX2+FMA+F16C one (a multiple of 8) is picked at run time; other CPUs and
@@ -344,6 +346,54 @@ AVX2H __m256 scores_heads(const float* q0, int64_t D, const KV* const* rows, int
     return hsum8x8(d);
 }
 
+// int8 on AVX2: the scores in integers. prep_avx2<int8_t> rounds each head's scaled query to int16
+// codes (its largest element to 32767; the head's step sq kept beside them: QCodes), and a K row's
+// int8 codes, sign-extended to int16, meet them in vpmaddwd: 16 elements in three instructions where
+// widening to float takes six, and the int32 sums are exact (|sum| <= 256 x 32767 x 128 < 2^31).
+// The only rounding is the query's (relative step 2^-15 of its largest element, against int8 K's own
+// 2^-8); a score is sq * ks[t] * its integer sum, the same bits whatever GS is.
+struct QCodes {
+    const int16_t* codes;  // [D]
+    float step;
+};
+AVX2H QCodes qcodes(const float* qs_head, int64_t D) {
+    return {reinterpret_cast<const int16_t*>(qs_head), qs_head[D / 2]};
+}
+
+AVX2H __m256i hsum8x8_epi32(const __m256i* d) {
+    const __m256i b0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+    const __m256i b1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+// 16 int8 codes at p as int16 (only 8 read when `half`: the upper 8 are 0)
+AVX2H __m256i codes16(const int8_t* p, bool half) {
+    return _mm256_cvtepi8_epi16(half ? bytes8(p) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int GS>
+AVX2H __m256 scores_heads_i8(const QCodes* q, int64_t D, const int8_t* const* rows) {
+    constexpr int T = 8 / GS;
+    __m256i d[8];
+    for (int i = 0; i < 8; i++) d[i] = _mm256_setzero_si256();
+    for (int64_t e = 0; e < D; e += 16) {
+        const bool half = e + 16 > D;  // head_dim a multiple of 8, not of 16: the last 8
+        __m256i qv[GS];
+        for (int g = 0; g < GS; g++)
+            qv[g] = half ? _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[g].codes + e)))
+                         : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[g].codes + e));
+        if (half)
+            for (int g = 0; g < GS; g++) qv[g] = _mm256_inserti128_si256(qv[g], _mm_setzero_si128(), 1);
+        for (int j = 0; j < T; j++) {
+            const __m256i k = codes16(rows[j] + e, half);
+            for (int g = 0; g < GS; g++) d[g * T + j] = _mm256_add_epi32(d[g * T + j], _mm256_madd_epi16(qv[g], k));
+        }
+    }
+    const __m256 sums = _mm256_cvtepi32_ps(hsum8x8_epi32(d));
+    if (GS == 1) return _mm256_mul_ps(sums, _mm256_set1_ps(q[0].step));
+    return _mm256_mul_ps(sums, _mm256_setr_m128(_mm_set1_ps(q[0].step), _mm_set1_ps(q[1].step)));
+}
+
 // Stores scores_heads' vector into s[g0 ..][t0 ..] (aligned); tokens from `left` on lie past the
 // chunk (they read its last row) and are stored as -inf, so that exp turns them into 0.
 template <int GS>
@@ -393,7 +443,14 @@ AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64
     for (int64_t t0 = 0; t0 < n; t0 += T) {
         const KV* rows[T];
         for (int j = 0; j < T; j++) rows[j] = kh + at[t0 + j];
-        __m256 sums = scores_heads<KV, GS>(qs + g0 * D, D, rows, D / 8);
+        __m256 sums;
+        if constexpr (std::is_same<KV, int8_t>::value) {
+            QCodes q[GS];
+            for (int g = 0; g < GS; g++) q[g] = qcodes(qs + (g0 + g) * D, D);
+            sums = scores_heads_i8<GS>(q, D, rows);
+        } else {
+            sums = scores_heads<KV, GS>(qs + g0 * D, D, rows, D / 8);
+        }
         if (SCALED<KV>)
             sums = _mm256_mul_ps(sums, GS == 1 ? _mm256_load_ps(ks + t0) : _mm256_broadcast_ps(reinterpret_cast<const __m128*>(ks + t0)));
         store_scores<GS>(s, g0, t0, sums, n - t0);
@@ -448,6 +505,25 @@ AVX2H_FN void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float
             _mm256_storeu_ps(acc + g * D + 8 * v, _mm256_setzero_ps());
             _mm256_storeu_ps(qs + g * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(q + g * D + 8 * v), scale));
         }
+        if (std::is_same<KV, int8_t>::value) {  // the head's int16 codes and step, in place (QCodes)
+            float* h = qs + g * D;
+            const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+            __m256 amax8 = _mm256_setzero_ps();
+            for (int64_t v = 0; v < V; v++) amax8 = _mm256_max_ps(amax8, _mm256_and_ps(_mm256_loadu_ps(h + 8 * v), magnitude));
+            const float amax = hmax8(amax8);
+            const float step = amax > 0.f ? amax / 32767.f : 1.f;
+            const __m256 stepv = _mm256_set1_ps(step);
+            alignas(32) int16_t codes[MAX_DIM + 8];
+            for (int64_t v = 0; v < V; v += 2) {  // round to nearest (even), 16 at a time; an odd V's last 8 packed with 0
+                const __m256i c0 = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(h + 8 * v), stepv));
+                const __m256i c1 = v + 1 < V ? _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(h + 8 * v + 8), stepv))
+                                             : _mm256_setzero_si256();
+                _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * v),
+                                   _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
+            }
+            std::memcpy(h, codes, D * sizeof(int16_t));
+            h[D / 2] = step;
+        }
     }
 }
 
@@ -457,6 +533,23 @@ AVX2H_FN void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float
 // paired, float32 took 1/0.78 and bfloat16 1/0.87 of the time (its widening is one shift).
 template <typename KV>
 constexpr bool PAIRED = sizeof(KV) == 1;
+
+// run_scales in registers: each group of 8 positions' scales gathered from their rows (idx: a
+// position's element offset, the slot times num_kv_heads; positions past n read the last one) and
+// stored as one vector, 1 past n. Scalar loads and stores here cost the int8 kernel ~15% of its
+// time (a vector load of 8 just-stored scalars waits for them; decode_attention.py shape).
+AVX2H void run_scales_avx2(const float* scales, const int32_t* idx, int64_t n, int64_t kvh, float* out) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t t0 = 0; t0 < CHUNK; t0 += 8) {
+        __m256 v = _mm256_set1_ps(1.f);
+        if (t0 < n) {
+            const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t0)), lane);
+            v = _mm256_mask_i32gather_ps(v, scales + kvh, _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + t0)),
+                                         _mm256_castsi256_ps(live), 4);
+        }
+        _mm256_store_ps(out + t0, v);
+    }
+}
 
 template <typename KV>
 AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, float* l,
@@ -471,11 +564,14 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
     int64_t at[CHUNK];
     const int64_t stride = a.num_kv_heads * D;
     for (int64_t t = 0; t < (n + 7) / 8 * 8; t++) at[t] = slots[std::min<int64_t>(t, n - 1)] * stride;
+    alignas(32) int32_t scale_at[CHUNK];  // int8: each position's offset in the scale arrays
+    if (SCALED<KV>)
+        for (int64_t t = 0; t < n; t++) scale_at[t] = (int32_t)(slots[t] * a.num_kv_heads);
     // scores: the query heads of one KV head two at a time (each K element widened once per pair),
     // an odd one alone
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* kh = kc + kvh * D;
-        if (SCALED<KV>) run_scales(a.k_scale, slots, n, kvh, a.num_kv_heads, ks);
+        if (SCALED<KV>) run_scales_avx2(a.k_scale, scale_at, n, kvh, ks);
         int64_t g = kvh * G;
         if (PAIRED<KV>)
             for (; g + 2 <= kvh * G + G; g += 2) score_group<KV, 2>(a, qs, kh, at, n, ks, g, s, prefetch);
@@ -488,7 +584,7 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
     // in the order they had before pairing
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* vh = vc + kvh * D;
-        if (SCALED<KV>) run_scales(a.v_scale, slots, n, kvh, a.num_kv_heads, vs);
+        if (SCALED<KV>) run_scales_avx2(a.v_scale, scale_at, n, kvh, vs);
         int64_t g = kvh * G;
         if (PAIRED<KV>) {
             for (int64_t h = g; h < kvh * G + G; h++) corr[h] = softmax8(s[h], n, m[h], l[h], SCALED<KV> ? vs : nullptr);
@@ -752,8 +848,14 @@ __attribute__((target(AVX512_TARGET))) void widen_avx512(const KV* src, int64_t 
     for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 }
 
-// the chunk's n slots, all KV heads, widened into run.k / run.v (position t at slot t)
-template <typename KV, void (*Widen)(const KV*, int64_t, float*)>
+// a chunk copied as it is: the staged type of a path whose loop reads KV's codes themselves (AVX2's int8)
+template <typename KV>
+void copy_row(const KV* src, int64_t d, KV* dst) {
+    std::memcpy(dst, src, d * sizeof(KV));
+}
+
+// the chunk's n slots, all KV heads, widened (to W) into run.k / run.v (position t at slot t)
+template <typename KV, typename W, void (*Widen)(const KV*, int64_t, W*)>
 void stage_run(const Args& a, const int64_t* slots, int64_t n, StagedRun& run) {
     const int64_t nkv = a.num_kv_heads, D = a.head_dim, stride = nkv * D;
     if ((int64_t)run.k.size() < CHUNK * stride) {
@@ -767,8 +869,8 @@ void stage_run(const Args& a, const int64_t* slots, int64_t n, StagedRun& run) {
     const KV* kc = static_cast<const KV*>(a.k_cache);
     const KV* vc = static_cast<const KV*>(a.v_cache);
     for (int64_t t = 0; t < n; t++) {  // a slot's heads are contiguous
-        Widen(kc + slots[t] * stride, stride, run.k.data() + t * stride);
-        Widen(vc + slots[t] * stride, stride, run.v.data() + t * stride);
+        Widen(kc + slots[t] * stride, stride, reinterpret_cast<W*>(run.k.data()) + t * stride);
+        Widen(vc + slots[t] * stride, stride, reinterpret_cast<W*>(run.v.data()) + t * stride);
         if (SCALED<KV>) {
             std::memcpy(run.ks.data() + t * nkv, a.k_scale + slots[t] * nkv, nkv * sizeof(float));
             std::memcpy(run.vs.data() + t * nkv, a.v_scale + slots[t] * nkv, nkv * sizeof(float));
@@ -776,8 +878,8 @@ void stage_run(const Args& a, const int64_t* slots, int64_t n, StagedRun& run) {
     }
 }
 
-template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
-          void (*Widen)(const KV*, int64_t, float*),
+template <typename KV, typename W, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
+          void (*Widen)(const KV*, int64_t, W*),
           void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&)>
 void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start, const int64_t* end,
                  float* const* state) {
@@ -803,7 +905,7 @@ void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* star
             int64_t slots[CHUNK];
             const int64_t n = chunk_slots(a, table, pos[r], end[r], ACROSS_BLOCKS<KV>, slots);  // tile_item's chunks
             if (run.generation != generation || run.table != table || run.pos != pos[r] || run.n < n) {
-                stage_run<KV, Widen>(a, slots, n, run);
+                stage_run<KV, W, Widen>(a, slots, n, run);
                 run.generation = generation;
                 run.table = table;
                 run.pos = pos[r];
@@ -840,19 +942,20 @@ int attention_isa() {
     return forced_isa >= 0 ? std::min(forced_isa, detected) : detected;
 }
 
-// 0: never staged; 1: tiles staged, lone rows in place (the default: staging a float32 run is only a
-// copy); 2: always staged. Tests and benchmarks set it; every mode gives the same bits.
+// 0: never staged; 1: tiles staged, lone rows in place (the default; except where staging is only a
+// copy: float32, and AVX2's int8, whose loop reads the codes themselves); 2: always staged. Tests and
+// benchmarks set it; every mode gives the same bits.
 int staged_mode = 1;
 
-template <typename KV, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
-          void (*Widen)(const KV*, int64_t, float*),
+template <typename KV, typename W, void (*Prep)(const Args&, int64_t, float*, float*, float*, float*),
+          void (*Widen)(const KV*, int64_t, W*),
           void (*InPlaceChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&),
           void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&)>
 ItemFn pick_path() {
-    const int mode = std::is_same<KV, float>::value && staged_mode == 1 ? 0 : staged_mode;
-    if (mode == 2) return staged_item<KV, Prep, Widen, WidenedChunk>;
+    const int mode = std::is_same<KV, W>::value && staged_mode == 1 ? 0 : staged_mode;
+    if (mode == 2) return staged_item<KV, W, Prep, Widen, WidenedChunk>;
     if (mode == 1)
-        return tile_or_row<staged_item<KV, Prep, Widen, WidenedChunk>, tile_item<KV, Prep, InPlaceChunk>>;
+        return tile_or_row<staged_item<KV, W, Prep, Widen, WidenedChunk>, tile_item<KV, Prep, InPlaceChunk>>;
     return tile_item<KV, Prep, InPlaceChunk>;
 }
 
@@ -862,12 +965,15 @@ ItemFn pick_kv(int64_t head_dim, float* unscale) {
     using W = Widened<KV>;
     *unscale = 1.f;
     if (attention_isa() >= 3 && head_dim % 16 == 0)
-        return pick_path<KV, prep_avx512, widen_avx512<KV>, chunk_avx512<KV>, chunk_avx512<W>>();
+        return pick_path<KV, float, prep_avx512, widen_avx512<KV>, chunk_avx512<KV>, chunk_avx512<W>>();
     if (attention_isa() >= 2 && head_dim % 8 == 0) {
         *unscale = AVX2_UNSCALE<KV>;  // the staged loop widens with the same load8: short by as much
-        return pick_path<KV, prep_avx2<KV>, widen_avx2<KV>, chunk_avx2<KV>, chunk_avx2<W>>();
+        if constexpr (std::is_same<KV, int8_t>::value)  // scores from the codes (scores_heads_i8)
+            return pick_path<KV, KV, prep_avx2<KV>, copy_row<KV>, chunk_avx2<KV>, chunk_avx2<KV>>();
+        else
+            return pick_path<KV, float, prep_avx2<KV>, widen_avx2<KV>, chunk_avx2<KV>, chunk_avx2<W>>();
     }
-    return pick_path<KV, prep_portable, widen_portable<KV>, chunk_portable<KV>, chunk_portable<W>>();
+    return pick_path<KV, float, prep_portable, widen_portable<KV>, chunk_portable<KV>, chunk_portable<W>>();
 }
 
 ItemFn pick(int kv_dtype, int64_t head_dim, float* unscale) {
