@@ -8,10 +8,13 @@ Then --rounds rounds: each steps every engine --steps decode steps in turn,
 starting one engine later each round, and times only those steps. Every timed step decodes all
 streams (checked), so a step reads every stream's whole context from the pool. Prints each dtype's
 median tok/s over the rounds, its ratio to the first configuration's, and the read-bandwidth probe before and after.
+--baseline-lib: every engine is also stepped, in the same rounds, with another build of brisk's
+kernels (a kernel change against the build before it, on the very same engines and contexts).
 long_context.py's workload d measures the same through the server, one dtype after another.
 
     .venv/bin/python benchmarks/kv_decode.py [--kv-dtype float32,bfloat16,fp8,fp8_e5m2,int8] [--block-size 8]
         [--streams 16] [--context 2000] [--steps 16] [--rounds 5] [--model smollm2-135m-instruct]
+        [--baseline-lib BEFORE/brisk/kernels/_kernels.so]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 from decode_speed import read_bandwidth_gbs
 from long_context import text
@@ -69,9 +73,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--baseline-lib", metavar="SO", type=Path,
+                        help="also step every engine with this build of brisk/kernels/_kernels.so")
     args = parser.parse_args()
     configs = [(dt, int(bs)) for bs in args.block_size.split(",") for dt in args.kv_dtype.split(",")]
-    dtypes = [f"{dt}/{bs}" for dt, bs in configs]  # labels
+    dtypes = [f"{dt}/{bs}" for dt, bs in configs]  # labels: an engine each
+    builds = {"": None}  # label suffix -> kernel library (None: this checkout's)
+    if args.baseline_lib:
+        from brisk import kernels
+
+        builds = {"": kernels.library(), " baseline": kernels._bind(args.baseline_lib)}
+    runs = [(dt, suffix) for dt in dtypes for suffix in builds]  # what a round steps, in turn
+    labels = [dt + suffix for dt, suffix in runs]
     rng = random.Random(0)
     prompts = [f"Continue this text:\n{text(int(args.context * 0.98), rng)}"
                for _ in range(args.streams)]
@@ -80,23 +93,33 @@ def main() -> None:
     engines = {}
     for dt, (kv, bs) in zip(dtypes, configs):
         t0 = time.perf_counter()
-        engines[dt], mean_len = build(args.model, kv, bs, prompts, 2 + args.steps * args.rounds, args.context)
+        engines[dt], mean_len = build(args.model, kv, bs, prompts, 2 + args.steps * args.rounds * len(builds),
+                                      args.context)
         print(f"  {dt}: {args.streams} prompts of {mean_len:.0f} tokens prefilled in {time.perf_counter() - t0:.0f} s",
               flush=True)
-    rates: dict[str, list[float]] = {dt: [] for dt in dtypes}
+    rates: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(args.rounds):
-        for i in range(len(dtypes)):
-            dt = dtypes[(r + i) % len(dtypes)]
-            rates[dt].append(timed_steps(engines[dt], args.steps, args.streams))
-        print(f"  round {r + 1}: " + ", ".join(f"{dt} {rates[dt][-1]:.1f}" for dt in dtypes), flush=True)
+        for i in range(len(runs)):
+            (dt, suffix), label = runs[(r + i) % len(runs)], labels[(r + i) % len(runs)]
+            if builds[suffix] is not None:
+                kernels._lib = builds[suffix]  # the build every kernel call of the step goes to
+            rates[label].append(timed_steps(engines[dt], args.steps, args.streams))
+        print(f"  round {r + 1}: " + ", ".join(f"{label} {rates[label][-1]:.1f}" for label in labels), flush=True)
     after, _ = read_bandwidth_gbs()
-    base = statistics.median(rates[dtypes[0]])
+    base = statistics.median(rates[labels[0]])
     print(f"read bandwidth after {after:.1f} GB/s")
-    print(f"| KV dtype / block size | decode tok/s (median of {args.rounds} rounds x {args.steps} steps) | min-max | vs {dtypes[0]} |")
-    print("|---|---|---|---|")
-    for dt in dtypes:
-        med = statistics.median(rates[dt])
-        print(f"| {dt} | {med:.1f} | {min(rates[dt]):.1f}-{max(rates[dt]):.1f} | {med / base:.2f}x |")
+    print(f"| KV dtype / block size | decode tok/s (median of {args.rounds} rounds x {args.steps} steps) | min-max | vs {labels[0]} |"
+          + (" this build vs baseline (median of the rounds' ratios) |" if args.baseline_lib else ""))
+    print("|---|---|---|---|" + ("---|" if args.baseline_lib else ""))
+    for label in labels:
+        med = statistics.median(rates[label])
+        row = f"| {label} | {med:.1f} | {min(rates[label]):.1f}-{max(rates[label]):.1f} | {med / base:.2f}x |"
+        if args.baseline_lib and not label.endswith(" baseline"):
+            ratios = [a / b for a, b in zip(rates[label], rates[label + " baseline"])]
+            row += f" {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        elif args.baseline_lib:
+            row += " |"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,29 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))
+@pytest.mark.parametrize("dim", [8, 40, 72])
+def test_int8_at_head_dims_not_a_multiple_of_16(lib, isa, dim):
+    """AVX2's integer scores take 16 elements at a time: a head_dim that leaves 8 over (or is 8) reads
+    only its own 8 codes and query codes there, for every head including the last."""
+    lib.brisk_paged_attention_force_isa(isa)
+    lib.brisk_paged_attention_staged(1)
+    bs, heads, kv_heads, lengths = 8, 6, 2, [1, 13, 70]
+    num_blocks = sum(-(-n // bs) for n in lengths) + 1
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, num_blocks * bs, kv_heads, dim, INT8, CPU)
+    slots = torch.arange(num_blocks * bs)
+    cache.store(0, *torch.randn(2, num_blocks * bs, kv_heads, dim, generator=gen), slots)
+    keys, values = cache.gather(0, slots, torch.float64)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    tables = block_tables(scattered(lengths, bs, num_blocks, 3, spare=False), lengths, bs)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    want = float64_attention(scored_query(lib, q, 0.125, INT8), keys, values, tables, lens, bs, 1.0)
+    out = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, 0.125, kv_dtype=INT8,
+                                         scales=cache.scales(0))
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("isa", sorted(ISAS))
 @pytest.mark.parametrize("kv", list(DTYPES.values()), ids=lambda d: d.name)
 def test_a_prompt_row_is_the_same_bits_in_a_tile_and_alone(lib, isa, kv):
     """Batch invariance for every dtype: a prompt chunk's rows (tiles of consecutive positions,

@@ -377,13 +377,11 @@ AVX2H __m256 scores_heads_i8(const QCodes* q, int64_t D, const int8_t* const* ro
     __m256i d[8];
     for (int i = 0; i < 8; i++) d[i] = _mm256_setzero_si256();
     for (int64_t e = 0; e < D; e += 16) {
-        const bool half = e + 16 > D;  // head_dim a multiple of 8, not of 16: the last 8
+        // head_dim a multiple of 8, not of 16: the last 8. K's upper 8 lanes are then 0, so whatever
+        // follows the query's codes in its row (the step, the next head) adds nothing.
+        const bool half = e + 16 > D;
         __m256i qv[GS];
-        for (int g = 0; g < GS; g++)
-            qv[g] = half ? _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[g].codes + e)))
-                         : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[g].codes + e));
-        if (half)
-            for (int g = 0; g < GS; g++) qv[g] = _mm256_inserti128_si256(qv[g], _mm_setzero_si128(), 1);
+        for (int g = 0; g < GS; g++) qv[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[g].codes + e));
         for (int j = 0; j < T; j++) {
             const __m256i k = codes16(rows[j] + e, half);
             for (int g = 0; g < GS; g++) d[g * T + j] = _mm256_add_epi32(d[g * T + j], _mm256_madd_epi16(qv[g], k));
