@@ -72,6 +72,35 @@ def test_503_with_phase_while_loading_then_ready(demo):
         assert metric(text, "brisk:model_load_phase_seconds_count", phase="module_build") == 1.0
 
 
+def test_ready_mid_publication_is_503_never_500(demo, monkeypatch):
+    """/ready asked while the load thread is publishing the engine (building its grammar compiler:
+    the moment a 7B warm start's polling once hit, when the engine was set before ready_ts) answers
+    503, and 200 with the load time once it is done."""
+    import brisk.server.state as state_module
+
+    seen = []
+    real = state_module.GrammarCompiler
+
+    def compiler(*args, **kwargs):
+        seen.append(httpx.get(f"{live.url}/ready", timeout=30).status_code)  # from the load thread
+        return real(*args, **kwargs)
+
+    def factory(report):
+        gate.wait(timeout=60)  # until `live` (its url) is bound below
+        return AsyncLLMEngine(make_engine(demo))
+
+    gate = threading.Event()
+    monkeypatch.setattr(state_module, "GrammarCompiler", compiler)
+    with LiveServer(ServerState(ServerConfig(), engine_factory=factory)) as live, live.client() as http:
+        gate.set()
+        deadline = time.monotonic() + 30
+        while http.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, "never became ready"
+            time.sleep(0.02)
+        assert seen == [503]
+        assert http.get("/ready").json()["load_s"] >= 0
+
+
 def test_failed_load_is_reported_not_hidden(demo):
     def factory(report):
         raise ModelLoadError("model.gguf: truncated file; re-download it")

@@ -154,12 +154,15 @@ class ServerState:
         else:
             self.metrics.observe_load(self.report.phases_ms, self.report.total_ms)
         self.metrics.build_info.labels(_version(), self.config.served_model_name, info.dtype, info.device).set(1)
-        self.engine = engine
         tok = engine.tokenizer
         self.grammars = GrammarCompiler(tok.fast, engine.vocab_size, tok.eos_token_ids)
         # llguidance's first use in a process costs 0.4-1.9 s: pay it now, not in the first request
         threading.Thread(target=self._warm_grammars, name="brisk-grammar-warm-up", daemon=True).start()
         self.ready_ts = time.monotonic()
+        # Published last: the event loop takes `engine is not None` as "ready" (/ready reads ready_ts,
+        # requests read grammars). Set first, a /ready landing between the two raised a 500 (seen
+        # during a 7B warm start's polling).
+        self.engine = engine
         # The model, tokenizer and imports are permanent: move them out of the cyclic GC's reach, so a
         # full collection walks only request-time objects (measured: gen-2 pauses of 90-270 ms in a
         # loaded process, each one stalling every stream), as vLLM does after its start-up. No
