@@ -804,7 +804,8 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
 // runs the same loop on it. It takes the same chunks as the in-place item and the loop gets the
 // same float32 values (widening is exact; int8 keeps its scales apart, applied as the in-place
 // loop applies them), so a row's result is bit for bit the same on both: a tile may take one and a
-// lone row the other.
+// lone row the other. AVX2's int8 loop reads the codes themselves (integer scores), so its staged
+// buffer holds the codes as they are (copy_row) and staging is off by default there.
 
 struct scaled_f32 {  // int8 widened, its scales still to apply
     float v;
