@@ -137,12 +137,27 @@ def float64_attention(q, keys, values, tables, lengths, bs, scale, window=None, 
     return torch.stack(out)
 
 
+def ragged_case(kv, heads: int, kv_heads: int, dim: int, bs: int, lengths: list[int], seed: int, spare: int):
+    """A one-layer pool of random K/V in dtype kv (blocks of bs, `spare` beyond the rows'),
+    queries, and rows of `lengths` over scattered blocks: (cache, keys, values, q, tables, lens), the
+    keys and values as float64 of exactly what the cache holds."""
+    num_blocks = sum(-(-n // bs) for n in lengths) + spare
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, num_blocks * bs, kv_heads, dim, kv, CPU)
+    slots = torch.arange(num_blocks * bs)
+    cache.store(0, *torch.randn(2, num_blocks * bs, kv_heads, dim, generator=gen), slots)
+    keys, values = cache.gather(0, slots, torch.float64)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    tables = block_tables(scattered(lengths, bs, num_blocks, seed, spare=False), lengths, bs)
+    return cache, keys, values, q, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
 def scored_query(lib, q: torch.Tensor, scale: float, kv) -> torch.Tensor:
     """The scaled query, in float64, as the path the kernel runs scores with it: AVX2's int8 loop
     rounds each head's to int16 codes (its largest element to 32767, ties to even) and scores them
     against the int8 codes in integers; every other path takes it as it is."""
     qs = q * scale  # float32, as the kernel's prep
-    if kv is not INT8 or lib.brisk_paged_attention_isa() != 2:
+    if kv is not INT8 or lib.brisk_paged_attention_isa() != 2 or q.shape[-1] % 8:  # (AVX2 takes multiples of 8)
         return qs.double()
     step = qs.abs().amax(-1, keepdim=True) / 32767
     step = torch.where(step > 0, step, torch.ones_like(step))
@@ -161,17 +176,8 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
     and the query as the path scores it; the int16 query's rounding costs less than 1e-4."""
     lib.brisk_paged_attention_force_isa(isa)
     lib.brisk_paged_attention_staged(2 if staged else 0)
-    bs, dim = 8, 64
-    lengths = [1, 7, 8, 33, 300, 1100]
-    num_blocks = sum(-(-n // bs) for n in lengths) + 2
-    gen = torch.Generator().manual_seed(7)
-    cache = PagedKVCache(1, num_blocks * bs, kv_heads, dim, kv, CPU)
-    slots = torch.arange(num_blocks * bs)
-    cache.store(0, *torch.randn(2, num_blocks * bs, kv_heads, dim, generator=gen), slots)
-    keys, values = cache.gather(0, slots, torch.float64)
-    q = torch.randn(len(lengths), heads, dim, generator=gen)
-    tables = block_tables(scattered(lengths, bs, num_blocks, 7, spare=False), lengths, bs)
-    lens = torch.tensor(lengths, dtype=torch.int32)
+    bs = 8
+    cache, keys, values, q, tables, lens = ragged_case(kv, heads, kv_heads, 64, bs, [1, 7, 8, 33, 300, 1100], 7, 2)
     scored = scored_query(lib, q, 0.125, kv)
     for part, window, softcap in ((0, None, None), (64, None, None), (64, 100, None), (0, None, 2.0)):
         want = float64_attention(scored, keys, values, tables, lens, bs, 1.0, window, softcap)
@@ -191,16 +197,8 @@ def test_int8_at_head_dims_not_a_multiple_of_16(lib, isa, dim):
     only its own 8 codes and query codes there, for every head including the last."""
     lib.brisk_paged_attention_force_isa(isa)
     lib.brisk_paged_attention_staged(1)
-    bs, heads, kv_heads, lengths = 8, 6, 2, [1, 13, 70]
-    num_blocks = sum(-(-n // bs) for n in lengths) + 1
-    gen = torch.Generator().manual_seed(3)
-    cache = PagedKVCache(1, num_blocks * bs, kv_heads, dim, INT8, CPU)
-    slots = torch.arange(num_blocks * bs)
-    cache.store(0, *torch.randn(2, num_blocks * bs, kv_heads, dim, generator=gen), slots)
-    keys, values = cache.gather(0, slots, torch.float64)
-    q = torch.randn(len(lengths), heads, dim, generator=gen)
-    tables = block_tables(scattered(lengths, bs, num_blocks, 3, spare=False), lengths, bs)
-    lens = torch.tensor(lengths, dtype=torch.int32)
+    bs = 8
+    cache, keys, values, q, tables, lens = ragged_case(INT8, 6, 2, dim, bs, [1, 13, 70], 3, 1)
     want = float64_attention(scored_query(lib, q, 0.125, INT8), keys, values, tables, lens, bs, 1.0)
     out = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, 0.125, kv_dtype=INT8,
                                          scales=cache.scales(0))
