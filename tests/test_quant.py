@@ -10,9 +10,9 @@ Tolerances, and why:
   error of at most half a step (d_x / 2) per element, so |y - y_float| <= sum_j |w_j| d_x(j) / 2,
   checked per output element (plus 1e-5 for float rounding).
 - repacked GGUF weights vs `gguf.quants.dequantize`: bit for bit for Q4_0/Q4_1/Q8_0 (bytes are
-  sliced, not recomputed); Q4_K and Q6_K kept as stored bit for bit too (and Q4_K, where its rows
+  sliced, not recomputed); Q2_K, Q3_K, Q4_K, Q5_K and Q6_K kept as stored bit for bit too (and Q4_K, where its rows
   do not fill tiles, within the float16 rounding of each block's scale and offset); Q5 types (and
-  Q6_K that cannot be tiled) requantized to int8 within half an int8 step of the block.
+  Q2_K/Q3_K/Q5_K/Q6_K that cannot be tiled) requantized to int8 within half an int8 step of the block.
 """
 
 import functools
@@ -245,7 +245,7 @@ def test_legacy_types_repack_bit_for_bit(qtype, demo_gguf_path):
     np.testing.assert_array_equal(ours.numpy(), gguf_dequantize(raw, QT[qtype]))
 
 
-K_QUANTS = {"Q4_K": (4, 4.625), "Q5_K": (5, 5.625), "Q6_K": (6, 6.5625)}  # type kept as stored -> (bits, bits a weight)
+K_QUANTS = {"Q2_K": (2, 2.625), "Q3_K": (3, 3.5625), "Q4_K": (4, 4.625), "Q5_K": (5, 5.625), "Q6_K": (6, 6.5625)}  # type kept as stored -> (bits, bits a weight)
 
 
 def _k_super(qtype, rows, cols, seed):
@@ -253,7 +253,7 @@ def _k_super(qtype, rows, cols, seed):
     (raw blocks, (qweight, scales, mins or None), subscales)."""
     raw = _random_blocks(qtype, rows * cols // 256, np.random.default_rng(seed)).reshape(rows, -1)
     repack = gguf_convert._SUPER_REPACKS[qtype]
-    tiled = tile({k: torch.from_numpy(v) for k, v in repack(raw, rows, cols).items()})
+    tiled = tile({k: torch.from_numpy(v) for k, v in repack(raw, rows, cols).items()}, K_QUANTS[qtype][0])
     return raw, (tiled["qweight"], tiled["scales"], tiled.get("mins")), tiled["subscales"]
 
 
@@ -271,16 +271,16 @@ def test_k_quants_kept_as_stored_repack_bit_for_bit(qtype):
     assert bytes_per_weight * 8 == fmt.bits_per_weight == bits_per_weight
     assert QuantFormat.of({"w.qweight": qweight, "w.scales": supers, "w.subscales": sub,
                            **({"w.mins": super_mins} if super_mins is not None else {})}, "w") == fmt
-    # against the file's own bytes per weight: Q6_K's 210 per 256 exactly; Q4_K's 144 and Q5_K's 176 per
-    # 256 plus their 6-bit sc/mn widened to bytes
+    # against the file's own bytes per weight: Q6_K's 210 and Q2_K's 84 per 256 exactly; Q3_K's 110, Q4_K's 144
+    # and Q5_K's 176 per 256 plus their 6-bit sc (and mn) widened to bytes
     file_bits = gguf.GGML_QUANT_SIZES[QT[qtype]][1] * 8 / 256
-    assert file_bits == {"Q4_K": bits_per_weight - 0.125, "Q5_K": bits_per_weight - 0.125, "Q6_K": bits_per_weight}[qtype]
+    assert file_bits == bits_per_weight - (0 if qtype in ("Q6_K", "Q2_K") else 0.125)
 
 
-@pytest.mark.parametrize("bits", [5, 6])
-def test_int5_and_int6_tiling_moves_bytes_not_values(bits):
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_k_quant_value_tiling_moves_bytes_not_values(bits):
     q = torch.randint(0, 2 ** bits, (24, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    tiled = {5: kernels.tile_int5, 6: kernels.tile_int6}[bits](q)
+    tiled = {2: kernels.tile_int2, 3: kernels.tile_int3, 5: kernels.tile_int5, 6: kernels.tile_int6}[bits](q)
     assert tiled.shape == (3, 3, kernels.TILE_BYTES[bits])
     assert torch.equal(kernels.untile_values(tiled, bits), q)
 
@@ -338,7 +338,7 @@ def test_q4_k_maps_onto_int4_blocks_within_float16_scale_rounding():
     assert np.all(np.abs(ours - expected) <= (15 * scale + offset) * 2.0 ** -11 * 1.01 + 1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])  # K-quants: where their rows do not fill tiles
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K"])  # K-quants: where their rows do not fill tiles
 def test_five_and_six_bit_types_become_int8_within_half_a_step(qtype):
     rng = np.random.default_rng(3)
     rows, cols = 4, 256
@@ -359,9 +359,10 @@ SMALL = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, context=128)
 SMALL_K = Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128)
 
 
-# Q4_K_M / Q5_K_M: Q4_K / Q5_K with Q6_K attn_v, ffn_down and output (gguf_random.MIXES): q/k and v in
-# different types
-@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M", "Q5_K_M"])
+# Q4_K_M / Q5_K_M: Q4_K / Q5_K with Q6_K attn_v, ffn_down and output; Q3_K_M: Q3_K with Q4_K attn_v,
+# attn_output and ffn_down, Q6_K output; Q2_K_mix: Q2_K with Q3_K attn_v and ffn_down, Q6_K output
+# (gguf_random.MIXES): q/k and v in different types
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K_mix"])
 def random_gguf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / f"small-{request.param}.gguf"
     shape = SMALL_K if request.param.startswith(tuple(K_QUANTS)) else SMALL
@@ -406,7 +407,7 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
         # linears and the embedding (a tied head multiplies by it) are stored tiled, the kernel's fast layout
         assert part.fmt.tiled and part.qweight.dim() == 3
         assert part.fmt.superblocks == (types[f"blk.1.{name}.weight"].name in K_QUANTS)  # K-quants kept as stored
-        assert part.fmt.bits == {QT.Q5_K: 5, QT.Q6_K: 6, QT.Q8_0: 8}.get(types[f"blk.1.{name}.weight"], 4)
+        assert part.fmt.bits == {QT.Q2_K: 2, QT.Q3_K: 3, QT.Q5_K: 5, QT.Q6_K: 6, QT.Q8_0: 8}.get(types[f"blk.1.{name}.weight"], 4)
     assert loaded.model.model.embed_tokens.fmt.tiled and loaded.model.lm_head.fmt.tiled
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
     head_name = "token_embd.weight" if loaded.config.tie_word_embeddings else "output.weight"
@@ -430,13 +431,13 @@ def test_dequantized_for_other_devices_keeps_every_weight(random_gguf, brisk_cac
                        loaded.model.model.layers[1].self_attn.qkv_proj.dequantized())
 
 
-@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q5_K", "Q6_K"])
 def test_k_quant_tables_that_do_not_fill_tiles_become_int8(qtype, tmp_path, brisk_cache):
     """A 132-token vocabulary (not a multiple of 8 rows): the K-quant embedding and LM head cannot be tiled,
     so the conversion stores them int8, within half an int8 step of gguf's values; the layers keep their type."""
     path = write_random_gguf(tmp_path / f"v132-{qtype}.gguf", SMALL_K, qtype, None, small_vocab=132)
     loaded = load(str(path))
-    bits = {"Q5_K": 5, "Q6_K": 6}[qtype]
+    bits = {"Q2_K": 2, "Q3_K": 3, "Q5_K": 5, "Q6_K": 6}[qtype]
     assert loaded.model.model.layers[0].self_attn.qkv_proj.fmt.bits == bits
     for module, name in ((loaded.model.lm_head, "output.weight"), (loaded.model.model.embed_tokens, "token_embd.weight")):
         assert module.fmt.bits == 8 and not module.fmt.superblocks

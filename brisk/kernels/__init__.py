@@ -33,7 +33,8 @@ log = logging.getLogger("brisk.kernels")
 
 QK = 32  # weights per quantization block
 TILE_ROWS = 8  # weight rows per tile of the tiled int4 and int8 layouts
-TILE_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}  # bytes per tile and block of 32 weights
+TILE_BYTES = {2: 64, 3: 96, 4: 128, 5: 160, 6: 192, 8: 256}  # bytes per tile and block of 32 weights
+SIGNED_OFFSETS = {3: 4, 6: 32}  # K-quants without mins kept as stored (Q3_K, Q6_K): w = d * sc * (q - offset)
 PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
 _lib: ctypes.CDLL | None = None
@@ -304,8 +305,9 @@ def tile_superblocks(supers: torch.Tensor, super_mins: torch.Tensor | None, subs
     """The scales of K-quants kept as stored, row layout -> tiled: `supers`/`super_mins` float16 [N, K/256]
     (d, dmin) -> [N/8, K/256, 8]; `subscales` [N, K/32, 2] -> [N/8, K/32, 16] (the tile's 8 rows' first,
     then their second). GGUF Q4_K and Q5_K (quant_matmul.cpp, `tile_scales`): uint8 6-bit sc and mn per
-    block of 32, the weights tiled as `tile_int4`'s / `tile_int5`'s; Q6_K (no mins): int8 sc of each
-    block's two 16s, the weights as `tile_int6`'s."""
+    block of 32, the weights tiled as `tile_int4`'s / `tile_int5`'s; Q6_K and Q3_K (no mins): int8 sc of
+    each block's two 16s, the weights as `tile_int6`'s / `tile_int3`'s; Q2_K: uint8 sc | mn << 4 of each
+    block's two 16s, the weights as `tile_int2`'s."""
     n, nb, _ = subscales.shape
     sub = subscales.view(n // TILE_ROWS, TILE_ROWS, nb, 2).permute(0, 2, 3, 1).reshape(n // TILE_ROWS, nb, 16)
     return _tile_side(supers, n, nb // SUPER), _tile_side(super_mins, n, nb // SUPER), sub.contiguous()
@@ -356,7 +358,58 @@ def untile_values(qweight: torch.Tensor, bits: int) -> torch.Tensor:
         return unpack_int4(untile_int4(qweight, None, None)[0])
     if bits == 8:
         return untile_int8(qweight, None, None)[0]
-    return (untile_int5 if bits == 5 else untile_int6)(qweight)
+    return {2: untile_int2, 3: untile_int3, 5: untile_int5, 6: untile_int6}[bits](qweight)
+
+
+def _two_bit_planes(q: torch.Tensor) -> torch.Tensor:
+    """Values [N, K] -> their low 2 bits as two 32-byte vectors per tile and block, [N/8, K/32, 64] (vector k,
+    row j, byte e: bits 2v..2v+1 = weight 16k + 4v + e): all of an int2 block, the first 64 bytes of int3's."""
+    n, k = q.shape
+    if n % TILE_ROWS:
+        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
+    nb = k // QK
+    low = (q & 3).view(n // TILE_ROWS, TILE_ROWS, nb, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [tile, block, k, row, e, v]
+    low = (low << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(-1, dtype=torch.uint8)  # an or: no overlap
+    return low.reshape(n // TILE_ROWS, nb, 64)
+
+
+def _from_two_bit_planes(planes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_two_bit_planes`: [N, K] values in [0, 3]."""
+    tiles, nb, _ = planes.shape
+    low = planes.reshape(tiles, nb, 2, TILE_ROWS, 4, 1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    return (low & 3).permute(0, 3, 1, 2, 5, 4).reshape(tiles * TILE_ROWS, nb * QK)  # [row, block, k, v, e]
+
+
+def tile_int2(q: torch.Tensor) -> torch.Tensor:
+    """2-bit values [N, K] (uint8 in [0, 3]) -> the tiled int2 layout (quant_matmul.cpp, "int3 and int2 in
+    tiles of 8 weight rows"): [N/8, K/32, 64], per tile and block two 32-byte vectors of the 2-bit values."""
+    return _two_bit_planes(q).contiguous()
+
+
+def untile_int2(qweight: torch.Tensor) -> torch.Tensor:
+    """The tiled int2 layout -> 2-bit values [N, K] (the inverse of `tile_int2`)."""
+    return _from_two_bit_planes(qweight)
+
+
+def tile_int3(q: torch.Tensor) -> torch.Tensor:
+    """3-bit values [N, K] (uint8 in [0, 7]) -> the tiled int3 layout (quant_matmul.cpp, "int3 and int2 in
+    tiles of 8 weight rows"): [N/8, K/32, 96], per tile and block two 32-byte vectors of the low 2 bits (vector k, row
+    j, byte e: bits 2v..2v+1 = weight 16k + 4v + e), then 32 bytes of top bits as int5's (row j, byte e:
+    bit u = weight 4u + e)."""
+    n, k = q.shape
+    low, nb = _two_bit_planes(q), k // QK
+    top = (q >> 2).view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4).permute(0, 2, 1, 4, 3)  # [tile, block, row, e, u]
+    top = (top << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return torch.cat([low, top.reshape(n // TILE_ROWS, nb, 32)], dim=2).contiguous()
+
+
+def untile_int3(qweight: torch.Tensor) -> torch.Tensor:
+    """The tiled int3 layout -> 3-bit values [N, K] (the inverse of `tile_int3`)."""
+    tiles, nb, _ = qweight.shape
+    n = tiles * TILE_ROWS
+    low = _from_two_bit_planes(qweight[:, :, :64])
+    top = (qweight[:, :, 64:].reshape(tiles, nb, TILE_ROWS, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return low | (top.permute(0, 2, 1, 4, 3).reshape(n, nb * QK) << 2)  # [row, block, u, e]
 
 
 def tile_int6(q: torch.Tensor) -> torch.Tensor:
@@ -382,21 +435,41 @@ def untile_int6(qweight: torch.Tensor) -> torch.Tensor:
     return (low | (top << 4)).reshape(n, nb * QK)
 
 
-def int6_rows(qweight: torch.Tensor, supers: torch.Tensor, subscales: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tiled int6 with its scales (GGUF Q6_K kept as stored) -> the row layout: values [N, K] (uint8,
-    0..63), d [N, K/256] float16 and sc [N, K/16] int8."""
+def signed_rows(qweight: torch.Tensor, supers: torch.Tensor, subscales: torch.Tensor, bits: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiled int3/int6 with their scales (GGUF Q3_K/Q6_K kept as stored) -> the row layout: values [N, K]
+    (uint8, 0..7 or 0..63), d [N, K/256] float16 and sc [N, K/16] int8."""
     tiles, nb, _ = subscales.shape
     sc = subscales.view(tiles, nb, 2, TILE_ROWS).permute(0, 3, 1, 2).reshape(tiles * TILE_ROWS, nb * 2)
-    return untile_int6(qweight), untile_side(supers, tiles * TILE_ROWS, nb // SUPER), sc
+    return untile_values(qweight, bits), untile_side(supers, tiles * TILE_ROWS, nb // SUPER), sc
 
 
-def dequantize_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dtype: torch.dtype = torch.float32
-                    ) -> torch.Tensor:
-    """Row-layout 6-bit weights -> [N, K]: (d * sc) * (q - 32) in float32, gguf's Q6_K expression and order."""
+def dequantize_signed(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, bits: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row-layout 3/6-bit weights -> [N, K]: (d * sc) * (q - offset) in float32, gguf's Q3_K/Q6_K expression
+    and order (offset 4 or 32, SIGNED_OFFSETS)."""
     n, k = q.shape
     step = d.float().repeat_interleave(SUPER * 2, dim=1) * sc.float()  # [N, K/16]
-    return (step[..., None] * (q.view(n, k // 16, 16).float() - 32)).view(n, k).to(dtype)
+    return (step[..., None] * (q.view(n, k // 16, 16).float() - SIGNED_OFFSETS[bits])).view(n, k).to(dtype)
+
+
+def int2_rows(qweight: torch.Tensor, supers: torch.Tensor, super_mins: torch.Tensor, subscales: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiled int2 with its scales (GGUF Q2_K kept as stored) -> the row layout: values [N, K] (uint8, 0..3),
+    d and dmin [N, K/256] float16, and [N, K/16] uint8 (sc in the low nibble, mn in the high)."""
+    tiles, nb, _ = subscales.shape
+    n = tiles * TILE_ROWS
+    sub = subscales.view(tiles, nb, 2, TILE_ROWS).permute(0, 3, 1, 2).reshape(n, nb * 2)
+    return untile_int2(qweight), untile_side(supers, n, nb // SUPER), untile_side(super_mins, n, nb // SUPER), sub
+
+
+def dequantize_int2(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sub: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row-layout 2-bit weights -> [N, K]: (d * sc) * q - dmin * mn in float32, gguf's Q2_K expression and order."""
+    n, k = q.shape
+    step = d.float().repeat_interleave(SUPER * 2, dim=1) * (sub & 0x0F).float()  # [N, K/16]
+    shift = dmin.float().repeat_interleave(SUPER * 2, dim=1) * (sub >> 4).float()
+    return (step[..., None] * q.view(n, k // 16, 16).float() - shift[..., None]).view(n, k).to(dtype)
 
 
 def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
@@ -418,8 +491,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.T
     (bits 16) are widened (exact)."""
     if bits == 16:
         return (unpack_half(qweight, qweight.shape[0] * HALF_PANEL) if qweight.dim() == 3 else qweight).to(dtype)
-    if bits == 6:  # tiled only, with its scales (GGUF Q6_K)
-        return dequantize_int6(*int6_rows(qweight, scales, subscales), dtype)
+    if bits in SIGNED_OFFSETS:  # tiled only, with their scales (GGUF Q3_K, Q6_K)
+        return dequantize_signed(*signed_rows(qweight, scales, subscales, bits), bits, dtype)
+    if bits == 2:  # tiled only, with its scales (GGUF Q2_K)
+        return dequantize_int2(*int2_rows(qweight, scales, mins, subscales), dtype)
     if subscales is not None:
         scales, mins = superblock_scales(scales, mins, subscales)
     if qweight.dim() == 3:

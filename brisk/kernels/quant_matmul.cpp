@@ -13,7 +13,8 @@
 // int4 and int8 also come in tiled layouts of 8 weight rows (see "int4 in tiles of 8 weight rows" and
 // "int8 in tiles of 8 weight rows" below), which brisk's conversion writes for linear layers and
 // token embeddings; GGUF Q5_K and Q6_K are kept as stored in tiled layouts of their own ("int5 and
-// int6 in tiles of 8 weight rows").
+// int6 in tiles of 8 weight rows"), and Q3_K and Q2_K in ones beside them ("int3 and int2 in tiles of 8
+// weight rows").
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py); threads come from OpenMP, the
 // same libgomp that PyTorch already loaded, so they share its thread team.
@@ -54,12 +55,13 @@ inline float f16_to_f32(uint16_t h) {
 
 struct Weights {
     const uint8_t* q;     // int4: [N, K/2]; int8: [N, K] (signed bytes)
-    const uint16_t* d;    // [N, K/32] float16 scales
-    const uint16_t* m;    // [N, K/32] float16 offsets, or null
-    int bits;             // 4 or 8
+    const uint16_t* d;    // [N, K/32] float16 scales (K-quants: their d per 256)
+    const uint16_t* m;    // [N, K/32] float16 offsets, or null (K-quants: their dmin per 256)
+    int bits;             // 4 or 8; tiled only: 2, 3, 5, 6 (GGUF Q2_K, Q3_K, Q5_K, Q6_K as stored)
     bool tiled;           // in tiles of 8 rows (see "int4 in tiles of 8 weight rows" below)
     const uint8_t* sub;   // tiled int4 with super-block scales (GGUF Q4_K): see tile_scales;
-                          // tiled int6 (GGUF Q6_K): its signed sub-scales, see "int6 in tiles"; else null
+                          // tiled int6/int3 (GGUF Q6_K/Q3_K): their signed sub-scales, see "int6 in
+                          // tiles"; else null
 };
 
 struct Acts {
@@ -654,20 +656,44 @@ float dot_scalar_tiled(const Weights& w, int64_t n, const Acts& a, int64_t r, in
 //     of a 14336x4096 matrix took 60.6 ms with it and 42.4 ms without.)
 // Integer sums are exact and the float steps the same on every path and row count: every path gives
 // the same bits, alone or batched.
+//
+// ---------------------------------------------------------------- int3 and int2 in tiles of 8 weight rows
+//
+// GGUF Q3_K kept as stored (`tiled`, bits 3; brisk.kernels.tile_int3): w = d * sc * (q - 4), q in 0..7,
+// with int6's scales (a float16 d per 256, a signed sc per 16: Q3_K's 6-bit scales, each held in a byte)
+// and its sums, the offset 4 where int6 has 32. For tile t and block b, 96 bytes at q + (t * nb + b) * 96:
+//   bytes 0..31 (p0) and 32..63 (p1): byte 4j+e of p_k holds, at bits 2v..2v+1, the low 2 bits of row j's
+//     weight 16k+4v+e;
+//   bytes 64..95: the top bit as int5's plane (byte 4j+e, bit u: logical vector u's weight; u < 4 the
+//     first 16 weights', u >= 4 the second 16's).
+// So 3 bits a weight, and 3.5625 with the scales (the file: 3.4375). The vectors met by the activations
+// are int6's (vector v, row j, byte e: weight 4v+e; then 16+4v+e), so one template serves them all.
+//
+// int2 (GGUF Q2_K kept as stored, bits 2; brisk.kernels.tile_int2): w = d * sc * q - dmin * mn, q in 0..3,
+// sc and mn 4 bits per 16 weights, d and dmin float16 per 256. A block is int3's p0 and p1 alone (64 bytes);
+// `sub` [tiles][nb][16] holds the file's byte sc | mn << 4 per 16 (the tile's 8 rows' first 16s, then
+// their second), `d` and `m` [tiles][nb/8][8] float16. Per block, with S_k and X_k as int6's:
+//   T = sc_0 S_0 + sc_1 S_1,  U = mn_0 X_0 + mn_1 X_1   (exact, < 2^24);
+//   acc = fma(T, d * dx, acc); acc = fma(-U, dmin * dx, acc).
+// 2.625 bits a weight, the file's own.
 
-template <int BITS> constexpr int64_t high_bytes() { return BITS == 5 ? 160 : 192; }
+template <int BITS> constexpr int64_t high_bytes() { return BITS == 2 ? 64 : BITS == 3 ? 96 : BITS == 5 ? 160 : 192; }
+template <int BITS> constexpr int64_t high_at() { return BITS == 3 ? 64 : 128; }  // the top-bit plane(s)
+template <int BITS> constexpr int32_t zero_point() { return BITS == 3 ? 4 : 32; }  // int3/int6: q - it
 
-// Bit S of each byte (and the bit above it) moved to bit 4 (and 5), by a 16-bit shift: for S <= 7 the
-// target bits of a byte come from the same byte; what crosses from its neighbour the caller masks off.
-template <int S>
-__attribute__((target("avx2"))) inline __m256i bit_at_4(__m256i h) {
-    return S < 4 ? _mm256_slli_epi16(h, 4 - S) : S > 4 ? _mm256_srli_epi16(h, S - 4) : h;
+// Bit S of each byte (and the bit above it) moved to bit T (and T+1), by a 16-bit shift: for S <= 7
+// the target bits of a byte come from the same byte; what crosses from its neighbour the caller masks off.
+template <int T, int S>
+__attribute__((target("avx2"))) inline __m256i bit_to(__m256i h) {
+    return S < T ? _mm256_slli_epi16(h, T - S) : S > T ? _mm256_srli_epi16(h, S - T) : h;
 }
 
-template <int S>
-__attribute__((target("avx512f,avx512bw"))) inline __m512i bit_at_4(__m512i h) {
-    return S < 4 ? _mm512_slli_epi16(h, 4 - S) : S > 4 ? _mm512_srli_epi16(h, S - 4) : h;
+template <int T, int S>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i bit_to(__m512i h) {
+    return S < T ? _mm512_slli_epi16(h, T - S) : S > T ? _mm512_srli_epi16(h, S - T) : h;
 }
+
+template <int S, class V> inline V bit_at_4(V h) { return bit_to<4, S>(h); }
 
 // Vector V's top bits at bit 4 (int5) or bits 4..5 (int6) of each byte, for the block's first (lo) and
 // second (hi) 16 weights: int5 keeps them at bits V and V+4 of one plane, int6 at bits 2V..2V+1 of two.
@@ -692,6 +718,17 @@ __attribute__((target("avx512f,avx512bw"))) inline void top_bits(__m512i h0, __m
 template <int BITS, int V>
 __attribute__((target("avx2,fma,f16c")))
 inline void high_vectors(const uint8_t* blk, __m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
+    if constexpr (BITS <= 3) {  // p_k's 2 bits at 2V; int3: the top bit from h0's bit V (V + 4) moved to bit 2
+        const __m256i two = _mm256_set1_epi8(3);
+        lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)blk), 2 * V), two);
+        hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(blk + 32)), 2 * V), two);
+        if constexpr (BITS == 3) {
+            const __m256i top = _mm256_set1_epi8(4);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to<2, V>(h0), top));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to<2, V + 4>(h0), top));
+        }
+        return;
+    }
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + V * 32));
     __m256i tlo, thi;
@@ -703,6 +740,21 @@ inline void high_vectors(const uint8_t* blk, __m256i h0, __m256i h1, __m256i& lo
 template <int BITS, int V>
 __attribute__((target("avx512f,avx512bw,avx2")))
 inline void high_vectors(const uint8_t* b0, const uint8_t* b1, __m512i h0, __m512i h1, __m512i& lo, __m512i& hi) {
+    if constexpr (BITS <= 3) {  // as the AVX2 one, two tiles a zmm
+        const __m512i two = _mm512_set1_epi8(3);
+        const __m512i p0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)b0)),
+                                              _mm256_loadu_si256((const __m256i*)b1), 1);
+        const __m512i p1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 32))),
+                                              _mm256_loadu_si256((const __m256i*)(b1 + 32)), 1);
+        lo = _mm512_and_si512(_mm512_srli_epi16(p0, 2 * V), two);
+        hi = _mm512_and_si512(_mm512_srli_epi16(p1, 2 * V), two);
+        if constexpr (BITS == 3) {
+            const __m512i top = _mm512_set1_epi8(4);
+            lo = _mm512_or_si512(lo, _mm512_and_si512(bit_to<2, V>(h0), top));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(bit_to<2, V + 4>(h0), top));
+        }
+        return;
+    }
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + V * 32))),
                                            _mm256_loadu_si256((const __m256i*)(b1 + V * 32)), 1);
@@ -725,16 +777,28 @@ void tile_high_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, i
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = wt + b * BYTES;
-        const __m256i h0 = load32(blk + 128), h1 = BITS == 6 ? load32(blk + 160) : h0;
+        const __m256i h0 = BITS == 2 ? _mm256_setzero_si256() : load32(blk + high_at<BITS>()),
+                      h1 = BITS == 6 ? load32(blk + 160) : h0;
         __m256i lo[4], hi[4];
         high_vectors<BITS, 0>(blk, h0, h1, lo[0], hi[0]);
         high_vectors<BITS, 1>(blk, h0, h1, lo[1], hi[1]);
         high_vectors<BITS, 2>(blk, h0, h1, lo[2], hi[2]);
         high_vectors<BITS, 3>(blk, h0, h1, lo[3], hi[3]);
         __m256 d8, m8;
-        __m256i sc0, sc1;
+        __m256i sc0, sc1, mn0, mn1;
         if constexpr (BITS == 5) {
             tile_scales(w, tile, b, nb, d8, m8);
+        } else if constexpr (BITS == 2) {  // a byte per 16 weights: sc | mn << 4
+            const uint8_t* s = w.sub + (tile * nb + b) * 16;
+            const __m256i r0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)s));
+            const __m256i r1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + 8)));
+            sc0 = _mm256_and_si256(r0, _mm256_set1_epi32(15));
+            sc1 = _mm256_and_si256(r1, _mm256_set1_epi32(15));
+            mn0 = _mm256_srli_epi32(r0, 4);
+            mn1 = _mm256_srli_epi32(r1, 4);
+            const int64_t at = (tile * (nb / 8) + b / 8) * NR;
+            d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + at)));
+            m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.m + at)));
         } else {
             const uint8_t* s = w.sub + (tile * nb + b) * 16;
             sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)s));
@@ -760,11 +824,22 @@ void tile_high_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, i
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
                                          _mm256_mul_ps(d8, _mm256_set1_ps(a.d[at])), acc[i]);
                 acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(a.s[at]), acc[i]);
+            } else if constexpr (BITS == 2) {
+                // T = sc_0 S_0 + sc_1 S_1 and U = mn_0 X_0 + mn_1 X_1, exact (< 2^24, so as floats too); then
+                // acc += T (d dx) - U (dmin dx)
+                const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+                const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sc0, s0), _mm256_mullo_epi32(sc1, s1));
+                const __m256i u = _mm256_add_epi32(_mm256_mullo_epi32(mn0, _mm256_set1_epi32(x0)),
+                                                   _mm256_mullo_epi32(mn1, _mm256_set1_epi32(x1)));
+                const __m256 dx = _mm256_set1_ps(a.d[at]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d8, dx), acc[i]);
+                acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(u), _mm256_mul_ps(m8, dx), acc[i]);
             } else {
                 const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+                constexpr int32_t Z = zero_point<BITS>();
                 const __m256i t = _mm256_add_epi32(
-                    _mm256_mullo_epi32(sc0, _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * x0))),
-                    _mm256_mullo_epi32(sc1, _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * x1))));
+                    _mm256_mullo_epi32(sc0, _mm256_sub_epi32(s0, _mm256_set1_epi32(Z * x0))),
+                    _mm256_mullo_epi32(sc1, _mm256_sub_epi32(s1, _mm256_set1_epi32(Z * x1))));
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[at])), acc[i]);
             }
         }
@@ -795,7 +870,8 @@ void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* b0 = w0 + b * BYTES;
         const uint8_t* b1 = w1 + b * BYTES;
-        const __m512i h0 = load2x32(b0 + 128, b1 + 128), h1 = BITS == 6 ? load2x32(b0 + 160, b1 + 160) : h0;
+        const __m512i h0 = BITS == 2 ? _mm512_setzero_si512() : load2x32(b0 + high_at<BITS>(), b1 + high_at<BITS>()),
+                      h1 = BITS == 6 ? load2x32(b0 + 160, b1 + 160) : h0;
         __m512i lo[4], hi[4];
         high_vectors<BITS, 0>(b0, b1, h0, h1, lo[0], hi[0]);
         high_vectors<BITS, 1>(b0, b1, h0, h1, lo[1], hi[1]);
@@ -803,12 +879,29 @@ void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t 
         high_vectors<BITS, 3>(b0, b1, h0, h1, lo[3], hi[3]);
         __m512 d16, m16;
         __m512i sc0, sc1;
+        __m512 scf0, scf1, mnf0, mnf1;  // int2's scales and mins as floats
         if constexpr (BITS == 5) {
             __m256 da, ma, db, mb;
             tile_scales(w, tile, b, nb, da, ma);
             tile_scales(w, tile + 1, b, nb, db, mb);
             d16 = join(da, db);
             m16 = join(ma, mb);
+        } else if constexpr (BITS == 2) {
+            const uint8_t* s0p = w.sub + (tile * nb + b) * 16;
+            const uint8_t* s1p = s0p + nb * 16;  // the next tile's
+            const __m512i r0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)s0p),
+                                                                       _mm_loadl_epi64((const __m128i*)s1p)));
+            const __m512i r1 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(s0p + 8)),
+                                                                       _mm_loadl_epi64((const __m128i*)(s1p + 8))));
+            scf0 = _mm512_cvtepi32_ps(_mm512_and_si512(r0, _mm512_set1_epi32(15)));
+            scf1 = _mm512_cvtepi32_ps(_mm512_and_si512(r1, _mm512_set1_epi32(15)));
+            mnf0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(r0, 4));
+            mnf1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(r1, 4));
+            const int64_t at = (tile * (nb / 8) + b / 8) * NR, next = (nb / 8) * NR;
+            d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(w.d + at))),
+                                                          _mm_loadu_si128((const __m128i*)(w.d + at + next)), 1));
+            m16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(w.m + at))),
+                                                          _mm_loadu_si128((const __m128i*)(w.m + at + next)), 1));
         } else {
             const uint8_t* s0p = w.sub + (tile * nb + b) * 16;
             const uint8_t* s1p = s0p + nb * 16;  // the next tile's
@@ -834,12 +927,20 @@ void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t 
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s_lo, s_hi)),
                                          _mm512_mul_ps(d16, _mm512_set1_ps(a.d[at])), acc[i]);
                 acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(a.s[at]), acc[i]);
+            } else if constexpr (BITS == 2) {  // T and U in float, exact as in the AVX2 loop
+                const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+                const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_lo), scf0, _mm512_mul_ps(_mm512_cvtepi32_ps(s_hi), scf1));
+                const __m512 u = _mm512_fmadd_ps(_mm512_set1_ps((float)x0), mnf0, _mm512_mul_ps(_mm512_set1_ps((float)x1), mnf1));
+                const __m512 dx = _mm512_set1_ps(a.d[at]);
+                acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d16, dx), acc[i]);
+                acc[i] = _mm512_fnmadd_ps(u, _mm512_mul_ps(m16, dx), acc[i]);
             } else {
                 // T in float: every product and the sum are below 2^24, so exact: the integer T's bits
                 const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+                constexpr int32_t Z = zero_point<BITS>();
                 const __m512 t = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_sub_epi32(s_lo, _mm512_set1_epi32(32 * x0))), _mm512_castsi512_ps(sc0),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s_hi, _mm512_set1_epi32(32 * x1))),
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(s_lo, _mm512_set1_epi32(Z * x0))), _mm512_castsi512_ps(sc0),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s_hi, _mm512_set1_epi32(Z * x1))),
                                   _mm512_castsi512_ps(sc1)));
                 acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d16, _mm512_set1_ps(a.d[at])), acc[i]);
             }
@@ -852,7 +953,19 @@ void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t 
     }
 }
 
-// Weight row n of the tiled int5/int6 layout, one activation row, portable: the same integer and float steps.
+// Row j's weight 4v+e (second: 16+4v+e) of a tiled int2/int3/int5/int6 block, as the vector paths unpack it.
+template <int BITS>
+inline int high_value(const uint8_t* blk, int at, int v, bool second) {
+    if constexpr (BITS == 2) return (blk[32 * second + at] >> (2 * v)) & 3;
+    if constexpr (BITS == 3)
+        return ((blk[32 * second + at] >> (2 * v)) & 3) | (((blk[64 + at] >> (v + 4 * second)) & 1) << 2);
+    const int byte = blk[v * 32 + at];
+    const int low = second ? byte >> 4 : byte & 0x0F;
+    const int top = BITS == 5 ? (blk[128 + at] >> (v + 4 * second)) & 1 : (blk[128 + 32 * second + at] >> (2 * v)) & 3;
+    return low | (top << 4);
+}
+
+// Weight row n of the tiled int2/int3/int5/int6 layout, one activation row, portable: the same integer and float steps.
 template <int BITS>
 float dot_scalar_tiled_high(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
     constexpr int64_t BYTES = high_bytes<BITS>();
@@ -864,12 +977,9 @@ float dot_scalar_tiled_high(const Weights& w, int64_t n, const Acts& a, int64_t 
         int32_t s0 = 0, s1 = 0;
         for (int v = 0; v < 4; v++)
             for (int e = 0; e < 4; e++) {
-                const int at = 4 * (int)j + e, byte = blk[v * 32 + at];
-                const int top0 = BITS == 5 ? ((blk[128 + at] >> v) & 1) << 4 : ((blk[128 + at] >> (2 * v)) & 3) << 4;
-                const int top1 = BITS == 5 ? ((blk[128 + at] >> (v + 4)) & 1) << 4
-                                           : ((blk[160 + at] >> (2 * v)) & 3) << 4;
-                s0 += ((byte & 0x0F) | top0) * y[4 * v + e];
-                s1 += ((byte >> 4) | top1) * y[16 + 4 * v + e];
+                const int at = 4 * (int)j + e;
+                s0 += high_value<BITS>(blk, at, v, false) * y[4 * v + e];
+                s1 += high_value<BITS>(blk, at, v, true) * y[16 + 4 * v + e];
             }
         const int64_t at = r * nb + b;
         if constexpr (BITS == 5) {
@@ -877,10 +987,17 @@ float dot_scalar_tiled_high(const Weights& w, int64_t n, const Acts& a, int64_t 
             tile_scale(w, tile, b, nb, j, d, m);
             acc = std::fma((float)(s0 + s1), d * a.d[at], acc);
             acc = std::fma(m, a.s[at], acc);
+        } else if constexpr (BITS == 2) {
+            const uint8_t* s = w.sub + (tile * nb + b) * 16;
+            const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
+            const int32_t t = (s[j] & 15) * s0 + (s[8 + j] & 15) * s1, u = (s[j] >> 4) * x0 + (s[8 + j] >> 4) * x1;
+            const int64_t k = (tile * (nb / 8) + b / 8) * NR + j;
+            acc = std::fma((float)t, f16_to_f32(w.d[k]) * a.d[at], acc);
+            acc = std::fma(-(float)u, f16_to_f32(w.m[k]) * a.d[at], acc);
         } else {
             const int8_t* sc = reinterpret_cast<const int8_t*>(w.sub) + (tile * nb + b) * 16;
             const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
-            const int32_t t = sc[j] * (s0 - 32 * x0) + sc[8 + j] * (s1 - 32 * x1);
+            const int32_t t = sc[j] * (s0 - zero_point<BITS>() * x0) + sc[8 + j] * (s1 - zero_point<BITS>() * x1);
             acc = std::fma((float)t, f16_to_f32(w.d[(tile * (nb / 8) + b / 8) * NR + j]) * a.d[at], acc);
         }
     }
@@ -919,7 +1036,7 @@ constexpr int64_t ROWS_PER_TASK = 8;  // weight rows a thread takes at a time (s
 constexpr int MT = 4;                 // activation rows per register tile
 
 // The kernels of a tiled layout whose tile pairs take VNNI at every row count (no nibbles to
-// unpack, or few enough that the pair pays from one row on): int8, int6 and int5.
+// unpack, or few enough that the pair pays from one row on): int8, int6, int5, int3 and int2.
 struct Int8Tiles {
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
                                        int64_t N) { tile8_pair_vnni<MT>(w, t, a, r, K, out, N); }
@@ -931,7 +1048,7 @@ struct Int8Tiles {
 };
 
 template <int BITS>
-struct HighTiles {  // int5 and int6
+struct HighTiles {  // int2, int3, int5 and int6
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
                                        int64_t N) { tile_high_pair_vnni<BITS, MT>(w, t, a, r, K, out, N); }
     template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
@@ -979,6 +1096,8 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
     if (w.tiled && w.bits == 8) return matmul_tiles<Int8Tiles>(w, a, M, N, K, out);
     if (w.tiled && w.bits == 6) return matmul_tiles<HighTiles<6>>(w, a, M, N, K, out);
     if (w.tiled && w.bits == 5) return matmul_tiles<HighTiles<5>>(w, a, M, N, K, out);
+    if (w.tiled && w.bits == 3) return matmul_tiles<HighTiles<3>>(w, a, M, N, K, out);
+    if (w.tiled && w.bits == 2) return matmul_tiles<HighTiles<2>>(w, a, M, N, K, out);
     const bool avx2 = has_avx2(), vnni = kernel_isa() >= 3;
     // From 8 activation rows on, tiles two at a time (an odd last tile alone); below, the pair's
     // unpacking is not paid back (one TinyLlama layer's linears, same run: the pair loop 2.04x the

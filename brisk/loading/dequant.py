@@ -138,6 +138,52 @@ def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
     return (scale * (q.astype(np.int8) - np.int8(32)).astype(np.float32).reshape(-1, 16, 16)).reshape(-1)
 
 
+Q2_K_BYTES = QK_K // 16 + QK_K // 4 + 2 + 2
+
+
+def q2_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K super-blocks -> (values [n, 256] uint8 in [0, 3], element order; scales [n, 16] uint8, one per
+    16 elements: sc in the low nibble, mn in the high; d [n] and dmin [n] float16). A weight is
+    d * sc * q - dmin * mn. Element 128h + 32j + l takes the 2 bits at 2j of qs[32h + l]."""
+    b = _blocks(raw, Q2_K_BYTES)
+    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
+    return (q.reshape(-1, QK_K), b[:, :16], b[:, 80:82].copy().view(np.float16)[:, 0],
+            b[:, 82:84].copy().view(np.float16)[:, 0])
+
+
+def dequant_q2_k(raw: np.ndarray) -> np.ndarray:
+    q, scales, d, dmin = q2_k_parts(raw)
+    step = (d.astype(np.float32)[:, None] * (scales & 0x0F).astype(np.float32))[..., None]
+    shift = (dmin.astype(np.float32)[:, None] * (scales >> 4).astype(np.float32))[..., None]
+    return (step * q.reshape(-1, 16, 16).astype(np.float32) - shift).reshape(-1)
+
+
+Q3_K_BYTES = QK_K // 8 + QK_K // 4 + 12 + 2
+
+
+def q3_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K super-blocks -> (values [n, 256] uint8 in [0, 7], element order; sc [n, 16] int8 in [-32, 31],
+    one per 16 elements; d [n] float16). A weight is d * sc * (q - 4). Element 128h + 32j + l takes the
+    2 bits at 2j of qs[32h + l] and, as its bit 2, bit 4h + j of hmask[l] (ggml's Q3_K subtracts 4 where
+    that bit is clear); scale i's low 4 bits are nibble i // 8 of byte i % 8, its top 2 the bits at
+    2 (i // 4) of byte 8 + i % 4."""
+    b = _blocks(raw, Q3_K_BYTES)
+    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    low = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
+    top = (hmask[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 4h + j, 32]
+    q = (low.reshape(-1, 8, 32) | (top << 2)).reshape(-1, QK_K)
+    i = np.arange(16)
+    sc = ((packed[:, i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 0x0F) | \
+        (((packed[:, 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3) << 4)
+    return q, (sc.astype(np.int16) - 32).astype(np.int8), b[:, 108:110].copy().view(np.float16)[:, 0]
+
+
+def dequant_q3_k(raw: np.ndarray) -> np.ndarray:
+    q, sc, d = q3_k_parts(raw)
+    scale = d.astype(np.float32)[:, None, None] * sc.astype(np.float32).reshape(-1, 16, 1)
+    return (scale * (q.astype(np.int8) - np.int8(4)).astype(np.float32).reshape(-1, 16, 16)).reshape(-1)
+
+
 def dequant_f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).reshape(-1).view(np.float16).astype(np.float32)
 
@@ -160,6 +206,8 @@ DEQUANTIZERS = {
     "Q4_1": dequant_q4_1,
     "Q5_0": dequant_q5_0,
     "Q5_1": dequant_q5_1,
+    "Q2_K": dequant_q2_k,
+    "Q3_K": dequant_q3_k,
     "Q4_K": dequant_q4_k,
     "Q5_K": dequant_q5_k,
     "Q6_K": dequant_q6_k,

@@ -12,8 +12,10 @@ keeps its super-block scales (each row's float16 d/dmin per 256 and 6-bit sc/mn 
 4.625 bits a weight) in tiles (a weight whose rows do not fill tiles of 8 maps onto int4 with a
 float16 scale and offset per 32, exact up to rounding each block's `d * sc` to float16), Q6_K
 likewise keeps its 6-bit values and scales (each row's float16 d per 256, a signed 8-bit sc per 16;
-exact, 6.5625 bits a weight) and Q5_K its 5-bit values with Q4_K's scales (5.625 bits) in tiles
-of their own (rows that do not fill tiles: int8), and Q5_0/Q5_1, whose 5-bit values have no
+exact, 6.5625 bits a weight), Q3_K its 3-bit values with Q6_K's kind of scales (its 6-bit sc held
+in a byte: 3.5625 bits a weight against the file's 3.4375), Q2_K its 2-bit values, float16 d/dmin
+per 256 and 4-bit sc/mn per 16 as stored (2.625 bits, the file's) and Q5_K its 5-bit values with Q4_K's
+scales (5.625 bits) in tiles of their own (rows that do not fill tiles: int8), and Q5_0/Q5_1, whose 5-bit values have no
 kernel, are requantized to int8 blocks from their dequantized values (a half int8 step of extra
 error).
 `none` dequantizes everything to float32; `int8`/`int4` requantize every weight matrix.
@@ -42,9 +44,9 @@ import numpy as np
 import torch
 
 from brisk.errors import ModelLoadError
-from brisk.kernels import QK, TILE_BYTES, TILE_ROWS
+from brisk.kernels import QK, SIGNED_OFFSETS, TILE_BYTES, TILE_ROWS
 from brisk.loading.dequant import (DEQUANTIZERS, Q5_K_BYTES, QK_K, _k_scales_mins, _split_nibbles_64, check_type,
-                                   q5_k_values, q6_k_parts)
+                                   q2_k_parts, q3_k_parts, q5_k_values, q6_k_parts)
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import PARTS, QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
@@ -53,7 +55,8 @@ log = logging.getLogger("brisk.loading")
 
 CONVERT_VERSION = 10  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
 # 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled; 8: Q4_K kept with its super-block scales;
-# 9: Q6_K kept as stored; 10: Q5_K too, and fused parts of different types stored apart
+# 9: Q6_K kept as stored; 10: Q5_K too, and fused parts of different types stored apart (Q3_K and Q2_K,
+# refused before, needed no new version: no cache of them existed)
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
@@ -97,6 +100,7 @@ NATIVE_FORMATS = {
     "Q4_0": QuantFormat(4, False), "Q4_1": QuantFormat(4, True), "Q4_K": QuantFormat(4, True, superblocks=True),
     "Q8_0": QuantFormat(8, False), "Q5_0": QuantFormat(8, False), "Q5_1": QuantFormat(8, False),
     "Q5_K": QuantFormat(5, True, superblocks=True), "Q6_K": QuantFormat(6, False, superblocks=True),
+    "Q3_K": QuantFormat(3, False, superblocks=True), "Q2_K": QuantFormat(2, True, superblocks=True),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 HALF_TYPES = ("F16", "BF16")  # kept as stored in `auto` (2-D tensors; vectors become F32)
@@ -186,16 +190,28 @@ def _repack_q5_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
     return {"qweight": q5_k_values(blocks).reshape(rows, cols), **_k_super_scales(blocks, rows, cols)}
 
 
-def _repack_q6_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
-    """Q6_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: 6-bit values (uint8
-    [rows, cols]), each row's d per super-block (float16) and a signed sc per 16 weights (int8
-    [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_int6)."""
-    q, sc, d = q6_k_parts(raw)
+def _signed_super(parts: tuple[np.ndarray, np.ndarray, np.ndarray], rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q6_K/Q3_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: their values
+    (uint8 [rows, cols]), each row's d per super-block (float16) and a signed sc per 16 weights (int8
+    [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_int6 / tile_int3)."""
+    q, sc, d = parts
     return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
             "subscales": np.ascontiguousarray(sc).reshape(rows, cols // QK, 2)}
 
 
-_SUPER_REPACKS = {"Q4_K": _repack_q4_k_super, "Q5_K": _repack_q5_k_super, "Q6_K": _repack_q6_k_super}
+def _repack_q2_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """Q2_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: 2-bit values (uint8
+    [rows, cols]), each row's d and dmin per super-block (float16) and the file's byte per 16 weights, sc | mn << 4
+    (uint8 [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_int2)."""
+    q, scales, d, dmin = q2_k_parts(raw)
+    return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
+            "mins": dmin.reshape(rows, cols // QK_K), "subscales": np.ascontiguousarray(scales).reshape(rows, cols // QK, 2)}
+
+
+_SUPER_REPACKS = {"Q4_K": _repack_q4_k_super, "Q5_K": _repack_q5_k_super,
+                  "Q6_K": lambda raw, rows, cols: _signed_super(q6_k_parts(raw), rows, cols),
+                  "Q3_K": lambda raw, rows, cols: _signed_super(q3_k_parts(raw), rows, cols),
+                  "Q2_K": _repack_q2_k_super}
 
 
 def _with_format(arrays: dict[str, np.ndarray], fmt: QuantFormat) -> dict[str, np.ndarray]:
@@ -212,7 +228,7 @@ def stored_arrays(fmt: QuantFormat | None, float_type: str = "F32") -> list[tupl
         return [("weight", float_type)]
     arrays = [("qweight", "I8" if fmt.bits == 8 else "U8"), ("scales", "F16")]
     return arrays + ([("mins", "F16")] if fmt.has_mins else []) + \
-        ([("subscales", "I8" if fmt.bits == 6 else "U8")] if fmt.superblocks else [])
+        ([("subscales", "I8" if fmt.bits in SIGNED_OFFSETS else "U8")] if fmt.superblocks else [])
 
 
 def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> tuple[int, ...]:
@@ -335,7 +351,7 @@ class _Group:
         if tileable(role or hf_name, fmt, self.shape[0]):
             fmt = replace(fmt, tiled=True)
         elif fmt is not None and fmt.superblocks:  # super-block scales live in tiles only: Q4_K becomes
-            fmt = replace(fmt, superblocks=False) if fmt.bits == 4 else QuantFormat(8, False)  # int4, Q5_K/Q6_K int8
+            fmt = replace(fmt, superblocks=False) if fmt.bits == 4 else QuantFormat(8, False)  # int4, Q2/3/5/6_K int8
         self.fmt = fmt
         self._arrays: dict[str, np.ndarray] | None = None
 
@@ -347,7 +363,7 @@ class _Group:
             self._arrays = {k: np.concatenate([a[k] for a in loaded], axis=0) for k in loaded[0]}
             if self.fmt is not None and self.fmt.tiled:
                 self._arrays = {k: v.numpy() for k, v in
-                                tile({k: torch.from_numpy(v) for k, v in self._arrays.items()}).items()}
+                                tile({k: torch.from_numpy(v) for k, v in self._arrays.items()}, self.fmt.bits).items()}
         return self._arrays.pop(suffix)  # each array is written once; memory is freed as we go
 
 

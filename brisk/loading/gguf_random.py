@@ -120,23 +120,75 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 210)
 
 
+def quantize_q2_k(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> GGUF Q2_K blocks [rows, cols / 256 * 84] (uint8), for
+    random-weight test models (the `gguf` package has no Q2_K quantizer; this one takes each 16's range). Per
+    super-block of 256: 16 bytes sc | mn << 4 (4 bits each, one per 16), 64 bytes of 2-bit values (byte 32h + l,
+    bits 2j: element 128h + 32j + l), float16 d and dmin; w = d * sc * q - dmin * mn."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-blocks, 16]
+    lo = np.minimum(x.min(-1), 0.0)
+    scale, offset = (x.max(-1) - lo) / 3, -lo
+    d, dmin = (scale.max(-1) / 15).astype(np.float16), (offset.max(-1) / 15).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 15).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, 15).astype(np.uint8)
+    step, shift = (df * sc)[..., None], (dminf * mn)[..., None]
+    q = np.clip(np.round(np.divide(x + shift, step, out=np.zeros_like(x), where=step > 0)), 0, 3).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # [super-blocks, half h, j, l]
+    qs = (q << np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8)
+    blocks = np.concatenate([sc | (mn << 4), qs.reshape(-1, 64), d.view(np.uint8).reshape(-1, 2),
+                             dmin.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(rows, cols // 256 * 84)
+
+
+def quantize_q3_k(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> GGUF Q3_K blocks [rows, cols / 256 * 110] (uint8),
+    for random-weight test models (the `gguf` package has no Q3_K quantizer; this one takes each 16's
+    range). Per super-block of 256: 32 bytes of top bits (bit 4h + j of byte l: element 128h + 32j + l),
+    64 bytes of low 2 bits (byte 32h + l, bits 2j: the same element), 16 6-bit scales stored + 32 in 12
+    bytes (scale i: nibble i // 8 of byte i % 8, its top 2 bits at 2 (i // 4) of byte 8 + i % 4),
+    float16 d; w = d * sc * (q - 4)."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-blocks, 16]
+    scale = np.abs(x).max(-1) / 4
+    d = (scale.max(-1) / 31).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -32, 31).astype(np.int16)
+    step = (df * sc.astype(np.float32))[..., None]
+    q = (np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -4, 3) + 4).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # [super-blocks, half h, j, l]
+    hmask = ((q >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)
+    qs = ((q & 3) << np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8)
+    stored = (sc + 32).astype(np.uint8)  # [super-blocks, 16]
+    low = (stored[:, :8] & 15) | ((stored[:, 8:] & 15) << 4)
+    high = (stored >> 4).reshape(-1, 4, 4)  # [super-blocks, i // 4, i % 4]
+    high = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
+    blocks = np.concatenate([hmask, qs.reshape(-1, 64), low, high, d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(rows, cols // 256 * 110)
+
+
 MIXES = {  # llama.cpp's mixes, as far as a test model needs them: tensor name suffix -> type
     "Q4_K_M": ("Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
     "Q5_K_M": ("Q5_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
+    "Q3_K_M": ("Q3_K", {"attn_v.weight": "Q4_K", "attn_output.weight": "Q4_K", "ffn_down.weight": "Q4_K",
+                        "output.weight": "Q6_K"}),
+    "Q2_K_mix": ("Q2_K", {"attn_v.weight": "Q3_K", "ffn_down.weight": "Q3_K", "output.weight": "Q6_K"}),  # llama.cpp's Q2_K
 }
 
 
 def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
                       tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
     """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
-    Q8_0, F32: what `gguf.quants.quantize` writes; or Q4_K / Q6_K, `quantize_q4_k` / `quantize_q6_k`), norms in F32. The tokenizer is copied from
-    `tokenizer_from`, or (None) a `small_vocab`-token one. A mix of `MIXES` (Q4_K_M) gives some tensors
+    Q8_0, F32: what `gguf.quants.quantize` writes; or Q3_K-Q6_K, `quantize_q4_k` / `quantize_q6_k`...), norms in F32. The tokenizer is copied from
+    `tokenizer_from`, or (None) a `small_vocab`-token one. A mix of `MIXES` (Q4_K_M, Q3_K_M) gives some tensors
     another type, as llama.cpp's mix does in every layer (its own choice bumps only some layers)."""
     import gguf
     from gguf.quants import quantize
 
     K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
-                    gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+                    gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
+                    gguf.GGMLQuantizationType.Q2_K: quantize_q2_k}
 
     base, overrides = MIXES.get(tensor_type, (tensor_type, {}))
     writer = gguf.GGUFWriter(str(path), "llama")

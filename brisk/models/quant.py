@@ -40,7 +40,7 @@ HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weig
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 4 or 8; 5/6: GGUF Q5_K/Q6_K kept as stored; 16: bfloat16/float16 weights as stored, no scales
+    bits: int  # 4 or 8; 2/3/5/6: GGUF Q2_K/Q3_K/Q5_K/Q6_K kept as stored; 16: bfloat16/float16 weights as stored, no scales
     has_mins: bool
     # int4/int8: stored in tiles of 8 rows (brisk.kernels.tile_int4/tile_int8), the layout the kernel
     # reads fastest;
@@ -51,9 +51,11 @@ class QuantFormat:
     # K-quants kept as stored (tiled only; brisk.kernels.tile_superblocks). int4 and int5 (GGUF Q4_K,
     # Q5_K; brisk.kernels.tile_int5): `scales`/`mins` hold each row's float16 d and dmin per 256
     # weights, `subscales` each block's 6-bit sc and mn (uint8): scale = d * sc, offset = -(dmin * mn).
-    # int6 (GGUF Q6_K, brisk.kernels.tile_int6):
+    # int6 and int3 (GGUF Q6_K and Q3_K, brisk.kernels.tile_int6 / tile_int3):
     # `scales` each row's float16 d per 256, `subscales` a signed sc per 16 weights (int8):
-    # w = d * sc * (q - 32)
+    # w = d * sc * (q - 32), int3: d * sc * (q - 4).
+    # int2 (GGUF Q2_K, brisk.kernels.tile_int2): `scales`/`mins` each row's float16 d and dmin per 256,
+    # `subscales` a byte per 16 weights, sc | mn << 4 (uint8): w = d * sc * q - dmin * mn
     superblocks: bool = False
 
     @property
@@ -79,8 +81,8 @@ class QuantFormat:
             return cls(16, False, qweight.dim() == 3, qweight.dtype)
         if qweight.dtype == torch.int8:
             bits = 8
-        else:  # uint8: int4, or tiled int5/int6 (told by their tiles' bytes a block)
-            bits = {kernels.TILE_BYTES[b]: b for b in (5, 6)}.get(qweight.shape[-1], 4) if qweight.dim() == 3 else 4
+        else:  # uint8: int4, or tiled int2/int3/int5/int6 (told by their tiles' bytes a block)
+            bits = {kernels.TILE_BYTES[b]: b for b in (2, 3, 5, 6)}.get(qweight.shape[-1], 4) if qweight.dim() == 3 else 4
         return cls(bits, f"{prefix}.mins" in tensors, qweight.dim() == 3, superblocks=f"{prefix}.subscales" in tensors)
 
 
@@ -104,7 +106,7 @@ class _Blocks(nn.Module):
                 raise BriskError(f"a {rows}x{cols} weight cannot take super-block scales; convert the model again")
             qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb // kernels.SUPER, kernels.TILE_ROWS)
             self.register_buffer("subscales", torch.empty((tiles, nb, 2 * kernels.TILE_ROWS),
-                                                          dtype=torch.int8 if fmt.bits == 6 else torch.uint8))
+                                                          dtype=torch.int8 if fmt.bits in kernels.SIGNED_OFFSETS else torch.uint8))
         elif fmt.tiled:
             qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb, kernels.TILE_ROWS)
         else:
@@ -194,9 +196,13 @@ class QuantEmbedding(_Blocks):
         flat = ids.reshape(-1)
         tiles = flat // kernels.TILE_ROWS
         picked = torch.arange(flat.numel(), device=flat.device) * kernels.TILE_ROWS + flat % kernels.TILE_ROWS
-        if self.fmt.bits == 6:
-            rows = kernels.int6_rows(self.qweight[tiles], self.scales[tiles], self.subscales[tiles])
-            values = kernels.dequantize_int6(*(t[picked] for t in rows), self.dtype)
+        if self.fmt.bits in kernels.SIGNED_OFFSETS:
+            rows = kernels.signed_rows(self.qweight[tiles], self.scales[tiles], self.subscales[tiles], self.fmt.bits)
+            values = kernels.dequantize_signed(*(t[picked] for t in rows), self.fmt.bits, self.dtype)
+            return values.view(*ids.shape, self.embedding_dim)
+        if self.fmt.bits == 2:
+            rows = kernels.int2_rows(self.qweight[tiles], self.scales[tiles], self.mins[tiles], self.subscales[tiles])
+            values = kernels.dequantize_int2(*(t[picked] for t in rows), self.dtype)
             return values.view(*ids.shape, self.embedding_dim)
         scales, mins = self.scales[tiles], None if self.mins is None else self.mins[tiles]
         if self.subscales is not None:
@@ -265,17 +271,19 @@ def tileable(name: str, fmt: QuantFormat | None, rows: int) -> bool:
             and rows % kernels.TILE_ROWS == 0)
 
 
-def tile(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def tile(blocks: dict[str, torch.Tensor], bits: int | None = None) -> dict[str, torch.Tensor]:
     """A weight's int4/int8 blocks (qweight/scales/mins) in the row layout -> the tiled layout; 16-bit
-    weights -> panels."""
+    weights -> panels. `bits` tells Q3_K's values (3) from Q6_K's (else 6), which share signed sub-scales, and
+    Q2_K's (2) from Q5_K's, both one value a byte with uint8 sub-scales."""
     if blocks["qweight"].dtype in HALF_NAMES:
         return {"qweight": kernels.pack_half(blocks["qweight"])}
-    if "subscales" in blocks:  # K-quants kept as stored: Q6_K's signed sub-scales; Q5_K's values one a byte; Q4_K
+    if "subscales" in blocks:  # K-quants kept as stored: Q6_K's/Q3_K's signed sub-scales; Q5_K's values one a byte; Q4_K
         q, sub = blocks["qweight"], blocks["subscales"]
         if sub.dtype == torch.int8:
-            qweight = kernels.tile_int6(q)
+            qweight = kernels.tile_int3(q) if bits == 3 else kernels.tile_int6(q)
         else:
-            qweight = kernels.tile_int5(q) if q.shape[1] == sub.shape[1] * QK else kernels.tile_int4(q, None, None)[0]
+            qweight = (kernels.tile_int2(q) if bits == 2 else kernels.tile_int5(q) if q.shape[1] == sub.shape[1] * QK
+                       else kernels.tile_int4(q, None, None)[0])
         scales, mins, sub = kernels.tile_superblocks(blocks["scales"], blocks.get("mins"), blocks["subscales"])
         return {"qweight": qweight, "scales": scales, "subscales": sub, **({"mins": mins} if mins is not None else {})}
     tile_blocks = kernels.tile_int4 if blocks["qweight"].dtype == torch.uint8 else kernels.tile_int8
