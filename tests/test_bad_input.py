@@ -141,8 +141,8 @@ def test_corrupt_gguf_magic(tmp_path, brisk_cache):
 
 
 def test_unsupported_quantization_type(tmp_path, brisk_cache):
-    path = write_tiny_gguf(tmp_path / "q2k.gguf", tensor_type=gguf.GGMLQuantizationType.Q2_K)
-    with pytest.raises(ModelLoadError, match=r"tensor token_embd\.weight uses quantization Q2_K, which brisk can "
+    path = write_tiny_gguf(tmp_path / "iq2.gguf", tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
+    with pytest.raises(ModelLoadError, match=r"tensor token_embd\.weight uses quantization IQ2_XXS, which brisk can "
                                              r"neither run nor dequantize .*re-quantize the model"):
         load(str(path))
 

@@ -107,10 +107,11 @@ def test_bf16_checkpoint_weights_kept_16_bit_are_bit_identical(tmp_path_factory,
              block_size=4, max_tokens_per_step=8)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K_mix"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K_mix", "IQ4_NL", "IQ4_XS"])
 def test_k_quants_kept_as_stored_are_bit_identical(qtype, tmp_path_factory, brisk_cache):
     """GGUF K-quants in their own tiles (int2 to int6 with super-block scales) through the stack; in the
-    mixes q/k (Q4_K/Q5_K/Q3_K/Q2_K) and v (Q6_K/Q6_K/Q4_K/Q3_K) are two weights (`qkv_rest`)."""
+    mixes q/k (Q4_K/Q5_K/Q3_K/Q2_K) and v (Q6_K/Q6_K/Q4_K/Q3_K) are two weights (`qkv_rest`); IQ4_NL/IQ4_XS
+    (4-bit codes into a table) likewise."""
     path = write_random_gguf(tmp_path_factory.mktemp("kq") / f"small-{qtype}.gguf",
                              Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128), qtype, None)
     loaded = load(str(path), max_model_len=128, warmup=False)
@@ -118,7 +119,8 @@ def test_k_quants_kept_as_stored_are_bit_identical(qtype, tmp_path_factory, bris
                                                         "Q4_K_M": "int4+min/k & int6/k",
                                                         "Q5_K_M": "int5+min/k & int6/k",
                                                         "Q3_K_M": "int3/k & int4+min/k",
-                                                        "Q2_K_mix": "int2+min/k & int3/k"}[qtype]
+                                                        "Q2_K_mix": "int2+min/k & int3/k",
+                                                        "IQ4_NL": "iq4", "IQ4_XS": "iq4/k"}[qtype]
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 2, 17)]
     _compare(loaded, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0),

@@ -300,13 +300,63 @@ def test_k_quant_kernel_computes_gguf_weights_on_every_path(isa, qtype, k):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("qtype", list(K_QUANTS))
+IQ4_TYPES = {"IQ4_NL": 4.5, "IQ4_XS": 4.3125}  # kept as stored -> bits a weight (the files': 4.5, 4.25)
+
+
+def _iq4(qtype, rows, cols, seed):
+    """Random GGUF IQ4 weights [rows, cols] and brisk's tiled arrays of them: (raw, (qweight, scales, None),
+    subscales or None, the stored codebook)."""
+    raw = _random_blocks(qtype, rows * cols // gguf.GGML_QUANT_SIZES[QT[qtype]][0],
+                         np.random.default_rng(seed)).reshape(rows, -1)
+    arrays = {k: torch.from_numpy(v) for k, v in gguf_convert._SUPER_REPACKS[qtype](raw, rows, cols).items()}
+    tiled = tile({**arrays, "codebook": torch.tensor(kernels.IQ4_VALUES, dtype=torch.int8)})
+    return raw, (tiled["qweight"], tiled["scales"], None), tiled.get("subscales"), tiled["codebook"]
+
+
+@pytest.mark.parametrize("qtype", list(IQ4_TYPES))
+def test_iq4_kept_as_stored_repacks_bit_for_bit(qtype):
+    rows, cols = 16, 768  # 2 tiles, 3 super-blocks
+    raw, (qweight, scales, _), sub, codebook = _iq4(qtype, rows, cols, seed=7)
+    assert qweight.shape == (2, 24, 128)
+    assert scales.shape == ((2, 3, 8) if qtype == "IQ4_XS" else (2, 24, 8))
+    assert (sub is None) == (qtype == "IQ4_NL") and (sub is None or sub.shape == (2, 24, 8))
+    ours = kernels.dequantize(qweight, scales, None, kernels.IQ4, subscales=sub).numpy()
+    np.testing.assert_array_equal(ours, gguf_dequantize(raw, QT[qtype]).reshape(rows, cols))
+    fmt = QuantFormat.of({"w.qweight": qweight, "w.scales": scales, "w.codebook": codebook,
+                          **({"w.subscales": sub} if sub is not None else {})}, "w")
+    assert fmt == QuantFormat(4, False, True, superblocks=sub is not None, codebook=True)
+    assert fmt.kernel_bits == kernels.IQ4 and fmt.name == ("iq4/k" if sub is not None else "iq4")
+    stored = [t for t in (qweight, scales, sub) if t is not None]
+    assert sum(t.numel() * t.element_size() for t in stored) * 8 / (rows * cols) == fmt.bits_per_weight == IQ4_TYPES[qtype]
+    # the file's own bits a weight: IQ4_NL's exactly; IQ4_XS's 6-bit scales widened to bytes
+    assert gguf.GGML_QUANT_SIZES[QT[qtype]][1] * 8 / gguf.GGML_QUANT_SIZES[QT[qtype]][0] == \
+        IQ4_TYPES[qtype] - (0.0625 if qtype == "IQ4_XS" else 0)
+    with pytest.raises(BriskError, match="IQ4 table"):  # a table the kernels do not know is refused, not used
+        QuantFormat.of({"w.qweight": qweight, "w.scales": scales, "w.codebook": codebook.flip(0)}, "w")
+
+
+@pytest.mark.parametrize("qtype", list(IQ4_TYPES))
+@pytest.mark.parametrize("k", [256, 1024])
+def test_iq4_kernel_computes_gguf_weights_on_every_path(isa, qtype, k):
+    raw, tiled, sub, _ = _iq4(qtype, 40, k, seed=11)
+    w = torch.from_numpy(gguf_dequantize(raw, QT[qtype]).reshape(40, k)).double()
+    for rows in (1, 3, 4, 8, 9, 17):
+        x = torch.randn(rows, k) * 3
+        out = kernels.quant_matmul(x, *tiled, kernels.IQ4, subscales=sub)
+        q, d = kernels.quantize_activations(x)
+        ref = ((q.view(rows, k // 32, 32).double() * d.double()[..., None]).view(rows, k) @ w.T).float()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS) + list(IQ4_TYPES))
 def test_k_quant_paths_agree_bit_for_bit_alone_or_batched(qtype):
     lib = kernels.library()
     if kernels.isa() != "avx512vnni":
         pytest.skip("this CPU has no AVX-512 VNNI")
-    bits = K_QUANTS[qtype][0]
-    _, tiled, sub = _k_super(qtype, 72, 1024, seed=5)
+    if qtype in IQ4_TYPES:
+        bits, (_, tiled, sub, _) = kernels.IQ4, _iq4(qtype, 72, 1024, seed=5)
+    else:
+        bits, (_, tiled, sub) = K_QUANTS[qtype][0], _k_super(qtype, 72, 1024, seed=5)
     x = torch.randn(19, 1024) * 2
     x[3] = 127.0  # every activation at the int8 extreme (the int6 zero point's largest correction)
     try:
@@ -362,10 +412,11 @@ SMALL_K = Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128)
 # Q4_K_M / Q5_K_M: Q4_K / Q5_K with Q6_K attn_v, ffn_down and output; Q3_K_M: Q3_K with Q4_K attn_v,
 # attn_output and ffn_down, Q6_K output; Q2_K_mix: Q2_K with Q3_K attn_v and ffn_down, Q6_K output
 # (gguf_random.MIXES): q/k and v in different types
-@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K_mix"])
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K_mix",
+                                        "IQ4_NL", "IQ4_XS"])
 def random_gguf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / f"small-{request.param}.gguf"
-    shape = SMALL_K if request.param.startswith(tuple(K_QUANTS)) else SMALL
+    shape = SMALL_K if request.param.startswith((*K_QUANTS, *IQ4_TYPES)) else SMALL
     return write_random_gguf(path, shape, request.param, None, tied_embeddings=request.param in ("Q8_0", "Q4_K"))
 
 
@@ -406,7 +457,9 @@ def test_converted_gguf_keeps_every_weight_exactly(random_gguf, brisk_cache):
     for part, name in zip(parts, ("attn_q", "attn_v")):
         # linears and the embedding (a tied head multiplies by it) are stored tiled, the kernel's fast layout
         assert part.fmt.tiled and part.qweight.dim() == 3
-        assert part.fmt.superblocks == (types[f"blk.1.{name}.weight"].name in K_QUANTS)  # K-quants kept as stored
+        kind = types[f"blk.1.{name}.weight"].name
+        assert part.fmt.superblocks == (kind in K_QUANTS or kind == "IQ4_XS")  # K-quants kept as stored
+        assert part.fmt.codebook == (kind in IQ4_TYPES)
         assert part.fmt.bits == {QT.Q2_K: 2, QT.Q3_K: 3, QT.Q5_K: 5, QT.Q6_K: 6, QT.Q8_0: 8}.get(types[f"blk.1.{name}.weight"], 4)
     assert loaded.model.model.embed_tokens.fmt.tiled and loaded.model.lm_head.fmt.tiled
     assert torch.equal(layer.mlp.down_proj.dequantized(), _gguf_float(random_gguf, "blk.1.ffn_down.weight"))
@@ -431,16 +484,16 @@ def test_dequantized_for_other_devices_keeps_every_weight(random_gguf, brisk_cac
                        loaded.model.model.layers[1].self_attn.qkv_proj.dequantized())
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_k_quant_tables_that_do_not_fill_tiles_become_int8(qtype, tmp_path, brisk_cache):
     """A 132-token vocabulary (not a multiple of 8 rows): the K-quant embedding and LM head cannot be tiled,
     so the conversion stores them int8, within half an int8 step of gguf's values; the layers keep their type."""
     path = write_random_gguf(tmp_path / f"v132-{qtype}.gguf", SMALL_K, qtype, None, small_vocab=132)
     loaded = load(str(path))
-    bits = {"Q2_K": 2, "Q3_K": 3, "Q5_K": 5, "Q6_K": 6}[qtype]
-    assert loaded.model.model.layers[0].self_attn.qkv_proj.fmt.bits == bits
+    bits = {"Q2_K": 2, "Q3_K": 3, "Q5_K": 5, "Q6_K": 6, "IQ4_NL": kernels.IQ4, "IQ4_XS": kernels.IQ4}[qtype]
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.fmt.kernel_bits == bits
     for module, name in ((loaded.model.lm_head, "output.weight"), (loaded.model.model.embed_tokens, "token_embd.weight")):
-        assert module.fmt.bits == 8 and not module.fmt.superblocks
+        assert module.fmt.bits == 8 and not module.fmt.superblocks and not module.fmt.codebook
         expected = _gguf_float(path, name).numpy()
         ours = module.dequantized().numpy()
         half_step = np.abs(expected).reshape(132, -1, 32).max(-1).repeat(32, axis=1) / 127 / 2

@@ -142,7 +142,7 @@ def test_not_a_gguf_file_fails_fast(tmp_path):
 @pytest.mark.parametrize("kwargs, needle", [
     ({"tokenizer_model": "bert"}, "GGUF tokenizer type 'bert'"),
     ({"arch": "gptneox"}, "unsupported GGUF architecture 'gptneox'"),
-    ({"tensor_type": "Q2_K"}, "tensor token_embd.weight uses quantization Q2_K"),
+    ({"tensor_type": "IQ2_XXS"}, "tensor token_embd.weight uses quantization IQ2_XXS"),
 ])
 def test_a_gguf_brisk_cannot_run_fails_before_anything_loads(tmp_path, kwargs, needle):
     """Architecture, tokenizer, tensor type: named with the file in one line, before torch and before

@@ -42,7 +42,7 @@ def _quant_weight(linear: torch.nn.Module, bias: torch.Tensor | None = None) -> 
                         None if linear.mins is None else linear.mins.data_ptr(),
                         None if linear.subscales is None else linear.subscales.data_ptr(),
                         None if bias is None else bias.data_ptr(),
-                        linear.fmt.bits, linear.out_features, linear.in_features, int(linear.fmt.tiled),
+                        linear.fmt.kernel_bits, linear.out_features, linear.in_features, int(linear.fmt.tiled),
                         kernels.HALF_KINDS.get(linear.fmt.half, 0))
 
 

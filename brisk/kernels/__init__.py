@@ -34,6 +34,10 @@ log = logging.getLogger("brisk.kernels")
 QK = 32  # weights per quantization block
 TILE_ROWS = 8  # weight rows per tile of the tiled int4 and int8 layouts
 TILE_BYTES = {2: 64, 3: 96, 4: 128, 5: 160, 6: 192, 8: 256}  # bytes per tile and block of 32 weights
+# `bits` of the iq4 layout (GGUF IQ4_NL/IQ4_XS kept as stored, quant_matmul.cpp "iq4"): 4-bit codes in
+# int4's tiles, each standing for one of IQ4_VALUES (llama.cpp's kvalues_iq4nl), times a scale
+IQ4 = 20
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 SIGNED_OFFSETS = {3: 4, 6: 32}  # K-quants without mins kept as stored (Q3_K, Q6_K): w = d * sc * (q - offset)
 PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
@@ -307,9 +311,9 @@ def tile_superblocks(supers: torch.Tensor, super_mins: torch.Tensor | None, subs
     then their second). GGUF Q4_K and Q5_K (quant_matmul.cpp, `tile_scales`): uint8 6-bit sc and mn per
     block of 32, the weights tiled as `tile_int4`'s / `tile_int5`'s; Q6_K and Q3_K (no mins): int8 sc of
     each block's two 16s, the weights as `tile_int6`'s / `tile_int3`'s; Q2_K: uint8 sc | mn << 4 of each
-    block's two 16s, the weights as `tile_int2`'s."""
-    n, nb, _ = subscales.shape
-    sub = subscales.view(n // TILE_ROWS, TILE_ROWS, nb, 2).permute(0, 2, 3, 1).reshape(n // TILE_ROWS, nb, 16)
+    block's two 16s, the weights as `tile_int2`'s; IQ4_XS: [N, K/32, 1] int8 -> [N/8, K/32, 8]."""
+    n, nb, per = subscales.shape  # per block: 2 (one per 16, or sc and mn), IQ4_XS 1
+    sub = subscales.view(n // TILE_ROWS, TILE_ROWS, nb, per).permute(0, 2, 3, 1).reshape(n // TILE_ROWS, nb, per * 8)
     return _tile_side(supers, n, nb // SUPER), _tile_side(super_mins, n, nb // SUPER), sub.contiguous()
 
 
@@ -472,6 +476,22 @@ def dequantize_int2(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sub: t
     return (step[..., None] * q.view(n, k // 16, 16).float() - shift[..., None]).view(n, k).to(dtype)
 
 
+def dequantize_iq4(qweight: torch.Tensor, scales: torch.Tensor, subscales: torch.Tensor | None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tiled iq4 layout -> [N, K]: IQ4_VALUES[q] times d per 32 (IQ4_NL: `scales` [N/8, K/32, 8]), or times
+    d * sc (IQ4_XS: `scales` [N/8, K/256, 8] float16, `subscales` [N/8, K/32, 8] int8), in float32: gguf's
+    expressions and order."""
+    tiles, nb, _ = qweight.shape
+    n = tiles * TILE_ROWS
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[untile_values(qweight, 4).long()]
+    if subscales is None:
+        step = untile_side(scales, n, nb).float()
+    else:
+        step = untile_side(scales, n, nb // SUPER).float().repeat_interleave(SUPER, dim=1) * \
+            untile_side(subscales, n, nb).float()
+    return (step[..., None] * values.reshape(n, nb, QK)).reshape(n, nb * QK).to(dtype)
+
+
 def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The tiled int4 layout -> the row layout (the inverse of `tile_int4`)."""
@@ -495,6 +515,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.T
         return dequantize_signed(*signed_rows(qweight, scales, subscales, bits), bits, dtype)
     if bits == 2:  # tiled only, with its scales (GGUF Q2_K)
         return dequantize_int2(*int2_rows(qweight, scales, mins, subscales), dtype)
+    if bits == IQ4:  # tiled only (GGUF IQ4_NL, IQ4_XS)
+        return dequantize_iq4(qweight, scales, subscales, dtype)
     if subscales is not None:
         scales, mins = superblock_scales(scales, mins, subscales)
     if qweight.dim() == 3:

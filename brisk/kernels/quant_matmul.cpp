@@ -32,6 +32,7 @@
 namespace {
 
 constexpr int QK = 32;
+constexpr int IQ4 = 20;  // `bits` of the iq4 layout (4-bit codes into IQ4_VALUES; brisk.kernels.IQ4)
 
 inline float f16_to_f32(uint16_t h) {
     // IEEE half -> float without F16C, for the scalar path.
@@ -57,11 +58,11 @@ struct Weights {
     const uint8_t* q;     // int4: [N, K/2]; int8: [N, K] (signed bytes)
     const uint16_t* d;    // [N, K/32] float16 scales (K-quants: their d per 256)
     const uint16_t* m;    // [N, K/32] float16 offsets, or null (K-quants: their dmin per 256)
-    int bits;             // 4 or 8; tiled only: 2, 3, 5, 6 (GGUF Q2_K, Q3_K, Q5_K, Q6_K as stored)
+    int bits;             // 4 or 8; tiled only: 2, 3, 5, 6 (GGUF Q2_K, Q3_K, Q5_K, Q6_K as stored), IQ4
     bool tiled;           // in tiles of 8 rows (see "int4 in tiles of 8 weight rows" below)
     const uint8_t* sub;   // tiled int4 with super-block scales (GGUF Q4_K): see tile_scales;
                           // tiled int6/int3 (GGUF Q6_K/Q3_K): their signed sub-scales, see "int6 in
-                          // tiles"; else null
+                          // tiles"; int2's and IQ4_XS's scales; else null
 };
 
 struct Acts {
@@ -1004,6 +1005,137 @@ float dot_scalar_tiled_high(const Weights& w, int64_t n, const Acts& a, int64_t 
     return acc;
 }
 
+// ---------------------------------------------------------------- iq4: 4-bit codes into a table of 16 values
+//
+// GGUF IQ4_NL and IQ4_XS kept as stored (`tiled`, bits IQ4; brisk.kernels.IQ4): a weight is a scale times
+// IQ4_VALUES[q], q a 4-bit code in int4's tile (vector v, row j, byte e: low nibble weight 4v+e, high nibble
+// 16+4v+e; the files' nibble order is Q4_0's, so codes move by slicing). Scales:
+//   IQ4_NL (`sub` null): `d` [tiles][nb][8] float16 per block of 32: acc = fma(S, d * dx, acc);
+//   IQ4_XS (`sub` [tiles][nb][8] int8, the file's 6-bit scale - 32 per 32): `d` [tiles][nb/8][8] float16 per
+//     256: T = sc * S, acc = fma(T, d * dx, acc),
+// with S the block's integer sum of IQ4_VALUES[q] * y (|S| <= 32 * 127 * 127, |T| < 2^24: exact as floats too).
+// AVX2 looks the values up with pshufb and meets them with maddubs' sign trick (|value| and y with the value's
+// sign: no value is 0); VNNI takes the values + 128 (unsigned) and subtracts 128 * the block's activation sum.
+// 4.5 bits a weight (IQ4_NL, the file's) and 4.3125 (IQ4_XS, against the file's 4.25: its scales held in bytes).
+
+alignas(16) constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+template <int MT>
+__attribute__((target("avx2,fma,f16c")))
+void tile_iq4_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* wt = w.q + tile * nb * 128;
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)IQ4_VALUES));
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i val[8], mag[8];  // vectors 0-3: the first 16 weights', 4-7: the second 16's
+        for (int v = 0; v < 4; v++) {
+            const __m256i raw = load32(wt + b * 128 + v * 32);
+            val[v] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low));
+            val[v + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+        }
+        for (int v = 0; v < 8; v++) mag[v] = _mm256_abs_epi8(val[v]);
+        __m256i sc = _mm256_setzero_si256();
+        __m256 d8;
+        if (w.sub) {
+            sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w.sub + (tile * nb + b) * NR)));
+            d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * (nb / 8) + b / 8) * NR)));
+        } else {
+            d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * nb + b) * NR)));
+        }
+        for (int i = 0; i < MT; i++) {
+            int32_t y[8];
+            std::memcpy(y, a.q + (r0 + i) * K + b * QK, 32);
+            __m256i s = _mm256_setzero_si256();
+            for (int v = 0; v < 8; v++)  // a pair of products reaches 2 * 127 * 127: one madd per vector
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(mag[v], _mm256_sign_epi8(_mm256_set1_epi32(y[v]), val[v])), ones));
+            if (w.sub) s = _mm256_mullo_epi32(sc, s);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
+                                     acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
+}
+
+// Two tiles (16 rows) with VNNI in a zmm, as tile8_pair_vnni. (An odd last tile takes tile_iq4_rows.)
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+void tile_iq4_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
+    const int64_t nb = K / QK;
+    const uint8_t* w0 = w.q + tile * nb * 128;
+    const uint8_t* w1 = w0 + nb * 128;
+    alignas(16) uint8_t shifted[16];  // the values + 128, as vpdpbusd's unsigned operand
+    for (int k = 0; k < 16; k++) shifted[k] = static_cast<uint8_t>(IQ4_VALUES[k] + 128);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)shifted));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i val[8];
+        for (int v = 0; v < 4; v++) {
+            const __m512i raw = load2x32(w0 + b * 128 + v * 32, w1 + b * 128 + v * 32);
+            val[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, low));
+            val[v + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+        }
+        __m512 scf = _mm512_setzero_ps(), d16;
+        if (w.sub) {
+            const uint8_t* s0p = w.sub + (tile * nb + b) * NR;
+            scf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+                _mm_loadl_epi64((const __m128i*)s0p), _mm_loadl_epi64((const __m128i*)(s0p + nb * NR)))));
+            const uint16_t* dp = w.d + (tile * (nb / 8) + b / 8) * NR;
+            d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)dp)),
+                                                          _mm_loadu_si128((const __m128i*)(dp + (nb / 8) * NR)), 1));
+        } else {
+            const uint16_t* dp = w.d + (tile * nb + b) * NR;
+            d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)dp)),
+                                                          _mm_loadu_si128((const __m128i*)(dp + nb * NR)), 1));
+        }
+        for (int i = 0; i < MT; i++) {
+            typedef int32_t __attribute__((may_alias)) group_t;
+            const group_t* y = reinterpret_cast<const group_t*>(a.q + (r0 + i) * K + b * QK);
+            const int64_t at = (r0 + i) * nb + b;
+            __m512i s = _mm512_set1_epi32(-128 * a.n[at]);
+            for (int v = 0; v < 8; v++) s = _mm512_dpbusd_epi32(s, val[v], _mm512_set1_epi32(y[v]));
+            __m512 t = _mm512_cvtepi32_ps(s);
+            if (w.sub) t = _mm512_mul_ps(t, scf);  // exact: |T| < 2^24
+            acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d16, _mm512_set1_ps(a.d[at])), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, _mm512_castps512_ps256(acc[i]));
+        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR + NR,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+    }
+}
+
+// Weight row n of the tiled iq4 layout, one activation row, portable: the same integer and float steps.
+float dot_scalar_tiled_iq4(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+    const int64_t nb = K / QK, tile = n / NR, j = n % NR;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w.q + (tile * nb + b) * 128;
+        const int8_t* y = a.q + r * K + b * QK;
+        int32_t s = 0;
+        for (int v = 0; v < 4; v++)
+            for (int e = 0; e < 4; e++) {
+                const int byte = blk[v * 32 + 4 * j + e];
+                s += IQ4_VALUES[byte & 0x0F] * y[4 * v + e] + IQ4_VALUES[byte >> 4] * y[16 + 4 * v + e];
+            }
+        float d;
+        if (w.sub) {
+            s *= reinterpret_cast<const int8_t*>(w.sub)[(tile * nb + b) * NR + j];
+            d = f16_to_f32(w.d[(tile * (nb / 8) + b / 8) * NR + j]);
+        } else {
+            d = f16_to_f32(w.d[(tile * nb + b) * NR + j]);
+        }
+        acc = std::fma((float)s, d * a.d[r * nb + b], acc);
+    }
+    return acc;
+}
+
 // Rows r..r+MT-1 against weight rows [n_begin, n_end).
 template <int MT>
 __attribute__((target("avx2,fma,f16c")))
@@ -1058,6 +1190,16 @@ struct HighTiles {  // int2, int3, int5 and int6
     }
 };
 
+struct IQ4Tiles {
+    template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                       int64_t N) { tile_iq4_pair_vnni<MT>(w, t, a, r, K, out, N); }
+    template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                      int64_t N) { tile_iq4_rows<MT>(w, t, a, r, K, out, N); }
+    static float scalar(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+        return dot_scalar_tiled_iq4(w, n, a, r, K);
+    }
+};
+
 // Tile pairs with VNNI (an odd last tile alone, the same bits), else one tile at a time, else portable.
 template <class L>
 void matmul_tiles(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
@@ -1098,6 +1240,7 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
     if (w.tiled && w.bits == 5) return matmul_tiles<HighTiles<5>>(w, a, M, N, K, out);
     if (w.tiled && w.bits == 3) return matmul_tiles<HighTiles<3>>(w, a, M, N, K, out);
     if (w.tiled && w.bits == 2) return matmul_tiles<HighTiles<2>>(w, a, M, N, K, out);
+    if (w.tiled && w.bits == IQ4) return matmul_tiles<IQ4Tiles>(w, a, M, N, K, out);
     const bool avx2 = has_avx2(), vnni = kernel_isa() >= 3;
     // From 8 activation rows on, tiles two at a time (an odd last tile alone); below, the pair's
     // unpacking is not paid back (one TinyLlama layer's linears, same run: the pair loop 2.04x the

@@ -184,6 +184,28 @@ def dequant_q3_k(raw: np.ndarray) -> np.ndarray:
     return (scale * (q.astype(np.int8) - np.int8(4)).astype(np.float32).reshape(-1, 16, 16)).reshape(-1)
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+IQ4_XS_BYTES = 2 + 2 + QK_K // 64 + QK_K // 2
+
+
+def dequant_iq4_nl(raw: np.ndarray) -> np.ndarray:
+    """IQ4_NL: blocks of 32, a float16 d and 16 bytes of 4-bit codes (Q4_0's order) into IQ4_VALUES."""
+    b = _blocks(raw, 2 + QK // 2)
+    return (_f16(b, 0) * IQ4_VALUES[_nibbles(b[:, 2:])].astype(np.float32)).reshape(-1)
+
+
+def dequant_iq4_xs(raw: np.ndarray) -> np.ndarray:
+    """IQ4_XS: super-blocks of 256, a float16 d, 6-bit scales per 32 (low 4 bits in 4 bytes, top 2 in a
+    uint16), codes as IQ4_NL's per 32: d * (scale - 32) * IQ4_VALUES[q]."""
+    b = _blocks(raw, IQ4_XS_BYTES)
+    high = b[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))  # [n, 8]
+    low = (b[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(-1, 8) & 0x0F
+    scale = ((low | ((high & 3).astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    step = (_f16(b, 0) * scale)[..., None]  # [n, 8, 1]
+    codes = _nibbles(b[:, 8:].reshape(-1, QK // 2)).reshape(-1, 8, QK)
+    return (step * IQ4_VALUES[codes].astype(np.float32)).reshape(-1)
+
+
 def dequant_f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).reshape(-1).view(np.float16).astype(np.float32)
 
@@ -211,6 +233,8 @@ DEQUANTIZERS = {
     "Q4_K": dequant_q4_k,
     "Q5_K": dequant_q5_k,
     "Q6_K": dequant_q6_k,
+    "IQ4_NL": dequant_iq4_nl,
+    "IQ4_XS": dequant_iq4_xs,
 }
 
 

@@ -14,7 +14,8 @@ float16 scale and offset per 32, exact up to rounding each block's `d * sc` to f
 likewise keeps its 6-bit values and scales (each row's float16 d per 256, a signed 8-bit sc per 16;
 exact, 6.5625 bits a weight), Q3_K its 3-bit values with Q6_K's kind of scales (its 6-bit sc held
 in a byte: 3.5625 bits a weight against the file's 3.4375), Q2_K its 2-bit values, float16 d/dmin
-per 256 and 4-bit sc/mn per 16 as stored (2.625 bits, the file's) and Q5_K its 5-bit values with Q4_K's
+per 256 and 4-bit sc/mn per 16 as stored (2.625 bits, the file's), IQ4_NL and IQ4_XS their 4-bit
+codes into the IQ4 table with their scales (4.5 bits, the file's; IQ4_XS 4.3125 against 4.25) and Q5_K its 5-bit values with Q4_K's
 scales (5.625 bits) in tiles of their own (rows that do not fill tiles: int8), and Q5_0/Q5_1, whose 5-bit values have no
 kernel, are requantized to int8 blocks from their dequantized values (a half int8 step of extra
 error).
@@ -44,12 +45,12 @@ import numpy as np
 import torch
 
 from brisk.errors import ModelLoadError
-from brisk.kernels import QK, SIGNED_OFFSETS, TILE_BYTES, TILE_ROWS
+from brisk.kernels import IQ4_VALUES, QK, SIGNED_OFFSETS, TILE_BYTES, TILE_ROWS
 from brisk.loading.dequant import (DEQUANTIZERS, Q5_K_BYTES, QK_K, _k_scales_mins, _split_nibbles_64, check_type,
-                                   q2_k_parts, q3_k_parts, q5_k_values, q6_k_parts)
+                                   IQ4_XS_BYTES, q2_k_parts, q3_k_parts, q5_k_values, q6_k_parts)
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
-from brisk.models.quant import PARTS, QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
+from brisk.models.quant import CODEBOOK, PARTS, QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
 
 log = logging.getLogger("brisk.loading")
 
@@ -101,6 +102,7 @@ NATIVE_FORMATS = {
     "Q8_0": QuantFormat(8, False), "Q5_0": QuantFormat(8, False), "Q5_1": QuantFormat(8, False),
     "Q5_K": QuantFormat(5, True, superblocks=True), "Q6_K": QuantFormat(6, False, superblocks=True),
     "Q3_K": QuantFormat(3, False, superblocks=True), "Q2_K": QuantFormat(2, True, superblocks=True),
+    "IQ4_NL": QuantFormat(4, False, codebook=True), "IQ4_XS": QuantFormat(4, False, superblocks=True, codebook=True),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 HALF_TYPES = ("F16", "BF16")  # kept as stored in `auto` (2-D tensors; vectors become F32)
@@ -208,10 +210,30 @@ def _repack_q2_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
             "mins": dmin.reshape(rows, cols // QK_K), "subscales": np.ascontiguousarray(scales).reshape(rows, cols // QK, 2)}
 
 
+def _repack_iq4_nl(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """IQ4_NL blocks of 32 kept as stored, in brisk's int4 row layout before tiling: the 4-bit codes by
+    slicing (Q4_0's nibble order) and the float16 d per block."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // QK, 2 + QK // 2)
+    return {"qweight": np.ascontiguousarray(blocks[:, :, 2:]).reshape(rows, -1), "scales": _f16_column(blocks, 0)}
+
+
+def _repack_iq4_xs(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """IQ4_XS super-blocks of 256 kept as stored, in brisk's int4 row layout before tiling: the codes by slicing
+    (16 bytes per 32 in Q4_0's nibble order), each row's float16 d per 256 and the signed sc per 32 (int8
+    [rows, cols/32, 1]: the file's 6-bit scale - 32, low 4 bits in scales_l, top 2 in scales_h)."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, IQ4_XS_BYTES)
+    high = blocks[:, 2:4].copy().view(np.uint16)[:, :1] >> (2 * np.arange(8, dtype=np.uint16))  # [n, 8]
+    low = blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)  # [n, 4, 2]: sub-block 2i, 2i + 1
+    sc = (low.reshape(-1, 8) & 0x0F) | ((high & 3).astype(np.uint8) << 4)
+    return {"qweight": np.ascontiguousarray(blocks[:, 8:]).reshape(rows, -1),
+            "scales": blocks[:, 0:2].copy().view(np.float16).reshape(rows, cols // QK_K),
+            "subscales": (sc.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols // QK, 1)}
+
+
 _SUPER_REPACKS = {"Q4_K": _repack_q4_k_super, "Q5_K": _repack_q5_k_super,
                   "Q6_K": lambda raw, rows, cols: _signed_super(q6_k_parts(raw), rows, cols),
                   "Q3_K": lambda raw, rows, cols: _signed_super(q3_k_parts(raw), rows, cols),
-                  "Q2_K": _repack_q2_k_super}
+                  "Q2_K": _repack_q2_k_super, "IQ4_NL": _repack_iq4_nl, "IQ4_XS": _repack_iq4_xs}
 
 
 def _with_format(arrays: dict[str, np.ndarray], fmt: QuantFormat) -> dict[str, np.ndarray]:
@@ -227,16 +249,19 @@ def stored_arrays(fmt: QuantFormat | None, float_type: str = "F32") -> list[tupl
     if fmt is None:
         return [("weight", float_type)]
     arrays = [("qweight", "I8" if fmt.bits == 8 else "U8"), ("scales", "F16")]
+    signed = fmt.bits in SIGNED_OFFSETS or fmt.codebook
     return arrays + ([("mins", "F16")] if fmt.has_mins else []) + \
-        ([("subscales", "I8" if fmt.bits in SIGNED_OFFSETS else "U8")] if fmt.superblocks else [])
+        ([("subscales", "I8" if signed else "U8")] if fmt.superblocks else []) + ([(CODEBOOK, "I8")] if fmt.codebook else [])
 
 
 def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> tuple[int, ...]:
     if suffix == "weight":
         return (rows, cols)
+    if suffix == CODEBOOK:
+        return (len(IQ4_VALUES),)
     if fmt.superblocks:  # always tiled (a weight that cannot be is stored without them)
         return {"qweight": (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits]),
-                "subscales": (rows // TILE_ROWS, cols // QK, 16)}.get(suffix, (rows // TILE_ROWS, cols // QK_K, TILE_ROWS))
+                "subscales": (rows // TILE_ROWS, cols // QK, 8 if fmt.codebook else 16)}.get(suffix, (rows // TILE_ROWS, cols // QK_K, TILE_ROWS))
     if fmt.tiled:
         return (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits] if suffix == "qweight" else TILE_ROWS)
     if suffix == "qweight":
@@ -350,6 +375,8 @@ class _Group:
         self.shape = (sum(s[0] for s in shapes), *shapes[0][1:])
         if tileable(role or hf_name, fmt, self.shape[0]):
             fmt = replace(fmt, tiled=True)
+        elif fmt is not None and fmt.codebook:  # iq4 lives in tiles only: int8, within half its step
+            fmt = QuantFormat(8, False)
         elif fmt is not None and fmt.superblocks:  # super-block scales live in tiles only: Q4_K becomes
             fmt = replace(fmt, superblocks=False) if fmt.bits == 4 else QuantFormat(8, False)  # int4, Q2/3/5/6_K int8
         self.fmt = fmt
@@ -361,6 +388,8 @@ class _Group:
             loaded = [{"weight": self.tensors.load_raw16(p)} if self.float_type != "F32" else
                       self.tensors.load_as(p, plain) for p in self.parts]
             self._arrays = {k: np.concatenate([a[k] for a in loaded], axis=0) for k in loaded[0]}
+            if self.fmt is not None and self.fmt.codebook:  # the table the codes stand for, once per weight
+                self._arrays[CODEBOOK] = np.array(IQ4_VALUES, dtype=np.int8)
             if self.fmt is not None and self.fmt.tiled:
                 self._arrays = {k: v.numpy() for k, v in
                                 tile({k: torch.from_numpy(v) for k, v in self._arrays.items()}, self.fmt.bits).items()}

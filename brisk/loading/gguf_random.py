@@ -142,6 +142,50 @@ def quantize_q2_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 84)
 
 
+_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The nearest IQ4 value's code for each x / step (step [..., 1] broadcast over x's last axis)."""
+    scaled = np.divide(x, step, out=np.zeros_like(x), where=step != 0)
+    return np.abs(scaled[..., None] - _IQ4).argmin(-1).astype(np.uint8)
+
+
+def _iq4_pack(codes: np.ndarray) -> np.ndarray:
+    """Codes [..., 32] -> 16 bytes each in Q4_0's order (byte j: element j low, element j + 16 high)."""
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 32) -> GGUF IQ4_NL blocks [rows, cols / 32 * 18] (uint8), for
+    random-weight test models (the `gguf` package has no IQ4 quantizer; llama.cpp's searches the scale, this one
+    takes each block's largest magnitude onto -127): float16 d, 16 bytes of codes; w = d * IQ4_VALUES[q]."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 32)
+    d = (-np.abs(x).max(-1) / 127).astype(np.float16)
+    codes = _iq4_codes(x, d.astype(np.float32)[:, None])
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), _iq4_pack(codes)], axis=1).reshape(rows, cols // 32 * 18)
+
+
+def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> GGUF IQ4_XS blocks [rows, cols / 256 * 136] (uint8):
+    float16 d, uint16 of the scales' top 2 bits (2 per 32), 4 bytes of their low 4 bits, 128 bytes of codes as
+    IQ4_NL's per 32; w = d * (scale - 32) * IQ4_VALUES[q]."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 8, 32)
+    block = -np.abs(x).max(-1) / 127  # each 32's own step, <= 0
+    d = (np.abs(block).max(-1) / 32).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(block, df, out=np.zeros_like(block), where=df > 0)), -32, 31).astype(np.int16)
+    codes = _iq4_codes(x, (df * sc)[..., None])
+    stored = (sc + 32).astype(np.uint16)  # [super-blocks, 8], 6 bits each
+    high = ((stored >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+    low = (stored[:, 0::2] & 15) | ((stored[:, 1::2] & 15) << 4)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2),
+                             low.astype(np.uint8), _iq4_pack(codes).reshape(-1, 128)], axis=1)
+    return blocks.reshape(rows, cols // 256 * 136)
+
+
 def quantize_q3_k(values: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> GGUF Q3_K blocks [rows, cols / 256 * 110] (uint8),
     for random-weight test models (the `gguf` package has no Q3_K quantizer; this one takes each 16's
@@ -188,7 +232,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
 
     K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
                     gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
-                    gguf.GGMLQuantizationType.Q2_K: quantize_q2_k}
+                    gguf.GGMLQuantizationType.Q2_K: quantize_q2_k,
+                    gguf.GGMLQuantizationType.IQ4_NL: quantize_iq4_nl, gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
 
     base, overrides = MIXES.get(tensor_type, (tensor_type, {}))
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -146,7 +146,7 @@ def _expected_names(model: DecoderForCausalLM) -> set[str]:
 
 
 def _is_quantized(name: str) -> bool:
-    return name.rpartition(".")[2] in quant.QUANT_SUFFIXES
+    return name.rpartition(".")[2] in (*quant.QUANT_SUFFIXES, quant.CODEBOOK)
 
 
 def _place(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
@@ -180,8 +180,9 @@ def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str,
 def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
     """Quantized weights -> float ones (a stacked projection's parts, `name.parts.{i}`, into one `name.weight`)."""
     for base in sorted(n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")):
-        bits = quant.QuantFormat.of(tensors, base).bits
+        bits = quant.QuantFormat.of(tensors, base).kernel_bits
         qweight, scales, mins, subscales = (tensors.pop(f"{base}.{s}", None) for s in quant.QUANT_SUFFIXES)
+        tensors.pop(f"{base}.{quant.CODEBOOK}", None)
         tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits, subscales=subscales)
     for name in sorted(n for n in tensors if n.endswith(f"{quant.PARTS}0.weight")):
         stacked = name.removesuffix(f"{quant.PARTS}0.weight")

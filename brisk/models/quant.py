@@ -33,6 +33,7 @@ from brisk.errors import BriskError
 from brisk.kernels import QK, pack_int4
 
 QUANT_SUFFIXES = ("qweight", "scales", "mins", "subscales")
+CODEBOOK = "codebook"  # iq4's table of 16 values, stored beside its blocks (it names the format; see QuantFormat.of)
 
 
 HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit float weights kept as stored
@@ -57,20 +58,31 @@ class QuantFormat:
     # int2 (GGUF Q2_K, brisk.kernels.tile_int2): `scales`/`mins` each row's float16 d and dmin per 256,
     # `subscales` a byte per 16 weights, sc | mn << 4 (uint8): w = d * sc * q - dmin * mn
     superblocks: bool = False
+    # GGUF IQ4_NL / IQ4_XS kept as stored (tiled only; brisk.kernels.IQ4): 4-bit codes (int4's tiles) into
+    # kernels.IQ4_VALUES, with a float16 scale per 32 (IQ4_NL), or with `superblocks` a float16 d per 256 and
+    # a signed sc per 32 (int8, IQ4_XS): w = d * sc * IQ4_VALUES[q]. The checkpoint stores the table (CODEBOOK).
+    codebook: bool = False
 
     @property
     def name(self) -> str:
         if self.bits == 16:
             return HALF_NAMES[self.half]
+        if self.codebook:
+            return "iq4" + ("/k" if self.superblocks else "")
         return f"int{self.bits}" + ("+min" if self.has_mins else "") + ("/k" if self.superblocks else "")
 
     @property
     def bits_per_weight(self) -> float:
         if self.bits == 16:
             return 16.0
-        if self.superblocks:  # two 8-bit sub-scales per 32 weights, one or two float16 per 256
-            return self.bits + 16 / QK + 16 * (2 if self.has_mins else 1) / (QK * kernels.SUPER)
+        if self.superblocks:  # two 8-bit sub-scales per 32 weights (iq4: one), one or two float16 per 256
+            return self.bits + (8 if self.codebook else 16) / QK + 16 * (2 if self.has_mins else 1) / (QK * kernels.SUPER)
         return self.bits + 16 * (2 if self.has_mins else 1) / QK
+
+    @property
+    def kernel_bits(self) -> int:
+        """The kernels' `bits` for this format (brisk.kernels.quant_matmul / dequantize)."""
+        return kernels.IQ4 if self.codebook else self.bits
 
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "QuantFormat | None":
@@ -83,7 +95,12 @@ class QuantFormat:
             bits = 8
         else:  # uint8: int4, or tiled int2/int3/int5/int6 (told by their tiles' bytes a block)
             bits = {kernels.TILE_BYTES[b]: b for b in (2, 3, 5, 6)}.get(qweight.shape[-1], 4) if qweight.dim() == 3 else 4
-        return cls(bits, f"{prefix}.mins" in tensors, qweight.dim() == 3, superblocks=f"{prefix}.subscales" in tensors)
+        codebook = tensors.get(f"{prefix}.{CODEBOOK}")
+        if codebook is not None and codebook.tolist() != list(kernels.IQ4_VALUES):
+            raise BriskError(f"checkpoint tensor {prefix}.{CODEBOOK} holds {codebook.tolist()}, not the IQ4 table the "
+                             "kernels know; convert the model again")
+        return cls(bits, f"{prefix}.mins" in tensors, qweight.dim() == 3, superblocks=f"{prefix}.subscales" in tensors,
+                   codebook=codebook is not None)
 
 
 class _Blocks(nn.Module):
@@ -105,8 +122,9 @@ class _Blocks(nn.Module):
             if not fmt.tiled or cols % (QK * kernels.SUPER):
                 raise BriskError(f"a {rows}x{cols} weight cannot take super-block scales; convert the model again")
             qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb // kernels.SUPER, kernels.TILE_ROWS)
-            self.register_buffer("subscales", torch.empty((tiles, nb, 2 * kernels.TILE_ROWS),
-                                                          dtype=torch.int8 if fmt.bits in kernels.SIGNED_OFFSETS else torch.uint8))
+            signed = fmt.bits in kernels.SIGNED_OFFSETS or fmt.codebook
+            self.register_buffer("subscales", torch.empty((tiles, nb, (1 if fmt.codebook else 2) * kernels.TILE_ROWS),
+                                                          dtype=torch.int8 if signed else torch.uint8))
         elif fmt.tiled:
             qshape, sshape = (tiles, nb, kernels.TILE_BYTES[fmt.bits]), (tiles, nb, kernels.TILE_ROWS)
         else:
@@ -119,9 +137,11 @@ class _Blocks(nn.Module):
             self.register_buffer("mins", torch.empty(sshape, dtype=torch.float16))
         else:
             self.mins = None
+        if fmt.codebook:
+            self.register_buffer(CODEBOOK, torch.empty(16, dtype=torch.int8))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return kernels.dequantize(self.qweight, self.scales, self.mins, self.fmt.bits, dtype, self.subscales)
+        return kernels.dequantize(self.qweight, self.scales, self.mins, self.fmt.kernel_bits, dtype, self.subscales)
 
 
 class QuantLinear(_Blocks):
@@ -139,7 +159,7 @@ class QuantLinear(_Blocks):
         if self.fmt.bits == 16:
             out = kernels.half_matmul(flat, self.qweight, self.out_features)
         else:
-            out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.bits, self.subscales)
+            out = kernels.quant_matmul(flat, self.qweight, self.scales, self.mins, self.fmt.kernel_bits, self.subscales)
         if self.bias is not None:
             out += self.bias
         if x.dim() != 2:
@@ -199,6 +219,10 @@ class QuantEmbedding(_Blocks):
         if self.fmt.bits in kernels.SIGNED_OFFSETS:
             rows = kernels.signed_rows(self.qweight[tiles], self.scales[tiles], self.subscales[tiles], self.fmt.bits)
             values = kernels.dequantize_signed(*(t[picked] for t in rows), self.fmt.bits, self.dtype)
+            return values.view(*ids.shape, self.embedding_dim)
+        if self.fmt.codebook:
+            sub = None if self.subscales is None else self.subscales[tiles]
+            values = kernels.dequantize_iq4(self.qweight[tiles], self.scales[tiles], sub, self.dtype)[picked]
             return values.view(*ids.shape, self.embedding_dim)
         if self.fmt.bits == 2:
             rows = kernels.int2_rows(self.qweight[tiles], self.scales[tiles], self.mins[tiles], self.subscales[tiles])
@@ -277,6 +301,13 @@ def tile(blocks: dict[str, torch.Tensor], bits: int | None = None) -> dict[str, 
     Q2_K's (2) from Q5_K's, both one value a byte with uint8 sub-scales."""
     if blocks["qweight"].dtype in HALF_NAMES:
         return {"qweight": kernels.pack_half(blocks["qweight"])}
+    if CODEBOOK in blocks:  # iq4: int4's tiles of the codes; IQ4_NL's scales as int4's, IQ4_XS's as K-quants'
+        if "subscales" not in blocks:
+            qweight, scales, _ = kernels.tile_int4(blocks["qweight"], blocks["scales"], None)
+            return {"qweight": qweight, "scales": scales, CODEBOOK: blocks[CODEBOOK]}
+        scales, _, sub = kernels.tile_superblocks(blocks["scales"], None, blocks["subscales"])
+        return {"qweight": kernels.tile_int4(blocks["qweight"], None, None)[0], "scales": scales, "subscales": sub,
+                CODEBOOK: blocks[CODEBOOK]}
     if "subscales" in blocks:  # K-quants kept as stored: Q6_K's/Q3_K's signed sub-scales; Q5_K's values one a byte; Q4_K
         q, sub = blocks["qweight"], blocks["subscales"]
         if sub.dtype == torch.int8:
