@@ -15,10 +15,10 @@ likewise keeps its 6-bit values and scales (each row's float16 d per 256, a sign
 exact, 6.5625 bits a weight), Q3_K its 3-bit values with Q6_K's kind of scales (its 6-bit sc held
 in a byte: 3.5625 bits a weight against the file's 3.4375), Q2_K its 2-bit values, float16 d/dmin
 per 256 and 4-bit sc/mn per 16 as stored (2.625 bits, the file's), IQ4_NL and IQ4_XS their 4-bit
-codes into the IQ4 table with their scales (4.5 bits, the file's; IQ4_XS 4.3125 against 4.25) and Q5_K its 5-bit values with Q4_K's
-scales (5.625 bits) in tiles of their own (rows that do not fill tiles: int8), and Q5_0/Q5_1, whose 5-bit values have no
-kernel, are requantized to int8 blocks from their dequantized values (a half int8 step of extra
-error).
+codes into the IQ4 table with their scales (4.5 bits, the file's; IQ4_XS 4.3125 against 4.25) and
+Q5_K its 5-bit values with Q4_K's scales (5.625 bits), each in tiles of its own (rows that do not
+fill tiles: int8); Q5_0/Q5_1, whose 5-bit values have no kernel, are requantized to int8 blocks
+from their dequantized values (a half int8 step of extra error).
 `none` dequantizes everything to float32; `int8`/`int4` requantize every weight matrix.
 Float matrices stored as F16 or BF16 (llama.cpp's `--outtype f16|bf16`) stay 16-bit in `auto`,
 bit for bit; the loader then keeps them so on CPU (`_auto_weights`), as for a bf16 safetensors
@@ -56,8 +56,8 @@ log = logging.getLogger("brisk.loading")
 
 CONVERT_VERSION = 10  # 4: rope_freqs.weight read (Llama 3.1+ ran with plain RoPE before); 5: new families;
 # 6: F16/BF16 matrices kept 16-bit in auto; 7: int8 linears tiled; 8: Q4_K kept with its super-block scales;
-# 9: Q6_K kept as stored; 10: Q5_K too, and fused parts of different types stored apart (Q3_K and Q2_K,
-# refused before, needed no new version: no cache of them existed)
+# 9: Q6_K kept as stored; 10: Q5_K too, and fused parts of different types stored apart (Q3_K, Q2_K and
+# IQ4_NL/IQ4_XS, refused before, needed no new version: no cache of them existed)
 _HASHED_PREFIX_BYTES = 1 << 20
 
 _PLAIN_NAMES = {
