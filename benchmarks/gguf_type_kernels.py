@@ -7,8 +7,11 @@ rows with `brisk.kernels.quant_matmul` (the kernels' best path on this CPU, all 
 median ms per call, the weight bytes read per call, GB/s at 1 row (what bounds decode) and GFLOP/s at
 more rows (what bounds prefill), beside the machine's read-bandwidth probe.
 
+With `--baseline-lib OTHER.so` (a build of the kernels before a change) each cell is also timed with that
+build, alternating call by call, and its output compared bit for bit: the cell then reads "this / baseline".
+
     .venv/bin/python benchmarks/gguf_type_kernels.py [--types Q4_0,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS]
-        [--rows 1,16,64] [--shape 14336x4096] [--calls 20]
+        [--rows 1,16,64] [--shape 14336x4096] [--calls 20] [--baseline-lib SO]
 """
 
 from __future__ import annotations
@@ -61,12 +64,18 @@ def main() -> int:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--shape", default="14336x4096")
     parser.add_argument("--calls", type=int, default=20, help="timed calls at 1 row (fewer at more rows)")
+    parser.add_argument("--baseline-lib", metavar="SO", type=Path, default=None,
+                        help="another build of the kernels, timed in the same loop")
     args = parser.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
     rows = [int(r) for r in args.rows.split(",")]
-    if kernels.library() is None:
+    this = kernels.library()
+    if this is None:
         print("brisk: the compiled kernels are missing: run `make`", file=sys.stderr)
         return 1
+    builds = {"this": this}
+    if args.baseline_lib:
+        builds["baseline"] = kernels._bind(args.baseline_lib)
     gbs, how = read_bandwidth_gbs()
     print(f"kernels: {kernels.isa()}, {torch.get_num_threads()} threads; read bandwidth probe {gbs:.1f} GB/s ({how})")
     print(f"\n| type (brisk format) | bits a weight | MB | " + " | ".join(f"{m} rows" for m in rows) + " |")
@@ -77,17 +86,25 @@ def main() -> int:
         cells = []
         for m in rows:
             x = torch.randn(m, k)
-            call = lambda: kernels.quant_matmul(x, tensors["qweight"], tensors["scales"], tensors.get("mins"),  # noqa: E731
-                                                fmt.kernel_bits, tensors.get("subscales"))
-            call()
-            times = []
-            for _ in range(max(3, args.calls // max(1, m // 4))):
-                start = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - start)
-            ms = statistics.median(times) * 1e3
+            times: dict[str, list[float]] = {name: [] for name in builds}
+            outputs = {}
+            for repeat in range(1 + max(3, args.calls // max(1, m // 4))):
+                for name, lib in builds.items():
+                    kernels._lib = lib  # the build quant_matmul calls
+                    start = time.perf_counter()
+                    out = kernels.quant_matmul(x, tensors["qweight"], tensors["scales"], tensors.get("mins"),
+                                               fmt.kernel_bits, tensors.get("subscales"))
+                    if repeat:  # the first call of each build warms up
+                        times[name].append(time.perf_counter() - start)
+                    outputs[name] = out
+            kernels._lib = this
+            ms = statistics.median(times["this"]) * 1e3
             rate = f"{weight_bytes / ms / 1e6:.1f} GB/s" if m == 1 else f"{2 * m * n * k / ms / 1e6:.0f} GFLOP/s"
-            cells.append(f"{ms:.2f} ms ({rate})")
+            cell = f"{ms:.2f} ms ({rate})"
+            if "baseline" in builds:
+                same = torch.equal(outputs["this"], outputs["baseline"])
+                cell += f" / {statistics.median(times['baseline']) * 1e3:.2f} ms{'' if same else ' (OUTPUT DIFFERS)'}"
+            cells.append(cell)
         print(f"| {qtype} ({fmt.name}) | {fmt.bits_per_weight:.4g} | {weight_bytes / 1e6:.1f} | " + " | ".join(cells) + " |")
     return 0
 

@@ -1030,32 +1030,38 @@ void tile_iq4_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, in
     __m256 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i val[8], mag[8];  // vectors 0-3: the first 16 weights', 4-7: the second 16's
-        for (int v = 0; v < 4; v++) {
+        // One vector of codes at a time, every activation row inside (as tile8_rows): the 16 registers
+        // of AVX2 cannot hold a block's 8 value vectors and their magnitudes across the rows.
+        __m256i s[MT];
+        for (int i = 0; i < MT; i++) s[i] = _mm256_setzero_si256();
+        const int8_t* yb = a.q + r0 * K + b * QK;
+        for (int v = 0; v < 4; v++) {  // vector v: weights 4v+e (low nibbles) and 16+4v+e (high)
             const __m256i raw = load32(wt + b * 128 + v * 32);
-            val[v] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low));
-            val[v + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+            const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low));
+            const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+            const __m256i lo_mag = _mm256_abs_epi8(lo), hi_mag = _mm256_abs_epi8(hi);
+            for (int i = 0; i < MT; i++) {
+                int32_t y0, y1;
+                std::memcpy(&y0, yb + i * K + 4 * v, 4);
+                std::memcpy(&y1, yb + i * K + 16 + 4 * v, 4);
+                // a pair of products reaches 2 * 127 * 127: one madd per vector, no shared int16 add
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(lo_mag, _mm256_sign_epi8(_mm256_set1_epi32(y0), lo)), ones));
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(hi_mag, _mm256_sign_epi8(_mm256_set1_epi32(y1), hi)), ones));
+            }
         }
-        for (int v = 0; v < 8; v++) mag[v] = _mm256_abs_epi8(val[v]);
-        __m256i sc = _mm256_setzero_si256();
         __m256 d8;
         if (w.sub) {
-            sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w.sub + (tile * nb + b) * NR)));
+            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w.sub + (tile * nb + b) * NR)));
+            for (int i = 0; i < MT; i++) s[i] = _mm256_mullo_epi32(sc, s[i]);
             d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * (nb / 8) + b / 8) * NR)));
         } else {
             d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * nb + b) * NR)));
         }
-        for (int i = 0; i < MT; i++) {
-            int32_t y[8];
-            std::memcpy(y, a.q + (r0 + i) * K + b * QK, 32);
-            __m256i s = _mm256_setzero_si256();
-            for (int v = 0; v < 8; v++)  // a pair of products reaches 2 * 127 * 127: one madd per vector
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(mag[v], _mm256_sign_epi8(_mm256_set1_epi32(y[v]), val[v])), ones));
-            if (w.sub) s = _mm256_mullo_epi32(sc, s);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
+        for (int i = 0; i < MT; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
                                      acc[i]);
-        }
     }
     for (int i = 0; i < MT; i++) _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, acc[i]);
 }
