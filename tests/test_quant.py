@@ -245,7 +245,8 @@ def test_legacy_types_repack_bit_for_bit(qtype, demo_gguf_path):
     np.testing.assert_array_equal(ours.numpy(), gguf_dequantize(raw, QT[qtype]))
 
 
-K_QUANTS = {"Q2_K": (2, 2.625), "Q3_K": (3, 3.5625), "Q4_K": (4, 4.625), "Q5_K": (5, 5.625), "Q6_K": (6, 6.5625)}  # type kept as stored -> (bits, bits a weight)
+# type kept as stored -> (bits, bits a weight)
+K_QUANTS = {"Q2_K": (2, 2.625), "Q3_K": (3, 3.5625), "Q4_K": (4, 4.625), "Q5_K": (5, 5.625), "Q6_K": (6, 6.5625)}
 
 
 def _k_super(qtype, rows, cols, seed):

@@ -397,9 +397,8 @@ def untile_int2(qweight: torch.Tensor) -> torch.Tensor:
 
 def tile_int3(q: torch.Tensor) -> torch.Tensor:
     """3-bit values [N, K] (uint8 in [0, 7]) -> the tiled int3 layout (quant_matmul.cpp, "int3 and int2 in
-    tiles of 8 weight rows"): [N/8, K/32, 96], per tile and block two 32-byte vectors of the low 2 bits (vector k, row
-    j, byte e: bits 2v..2v+1 = weight 16k + 4v + e), then 32 bytes of top bits as int5's (row j, byte e:
-    bit u = weight 4u + e)."""
+    tiles of 8 weight rows"): [N/8, K/32, 96], per tile and block two 32-byte vectors of the low 2 bits
+    (`_two_bit_planes`), then 32 bytes of top bits as int5's (row j, byte e: bit u = weight 4u + e)."""
     n, k = q.shape
     low, nb = _two_bit_planes(q), k // QK
     top = (q >> 2).view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4).permute(0, 2, 1, 4, 3)  # [tile, block, row, e, u]

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-// One weight [n, k] kept as stored: quantized (quant_matmul.cpp's layouts; bits 3 to 8) or 16-bit
+// One weight [n, k] kept as stored: quantized (quant_matmul.cpp's layouts; bits 2 to 8, or 20: iq4) or 16-bit
 // floats (half_matmul.cpp; bits 16, `half` the kv_types.h code: 1 bfloat16, 2 float16, with d and m
 // null), and an optional float32 bias [n].
 struct BriskQuantWeight {
@@ -54,7 +54,7 @@ extern "C" {
 // xq [M, K], xd, xs [M, K/32] float and xn [2, M, K/32] int32: the activation blocks' values, scales,
 // scaled sums, and integer sums (then the integer sums of each block's first 16).
 // wsub: tiled int4 with super-block scales (GGUF Q4_K as stored; quant_matmul.cpp, tile_scales) or tiled
-// int6/int3 (bits 6/3, GGUF Q6_K/Q3_K as stored: their sub-scales), else null.
+// int6/int3 (bits 6/3, GGUF Q6_K/Q3_K as stored: their sub-scales), tiled int2's and IQ4_XS's scales, else null.
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
                         const uint8_t* wsub, int bits, int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq,
                         float* xd, float* xs, int32_t* xn, float* out);

@@ -857,6 +857,12 @@ __attribute__((target("avx512f,avx2"))) inline __m512 join(__m256 a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
 }
 
+// 8 float16 at p (a tile's rows) and 8 at p + next (the next tile's), as 16 floats.
+__attribute__((target("avx512f,avx2,f16c"))) inline __m512 halves16(const uint16_t* p, int64_t next) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
+                                                   _mm_loadu_si128((const __m128i*)(p + next)), 1));
+}
+
 // Two tiles (16 rows) with VNNI in a zmm, as tile8_pair_vnni. (An odd last tile takes tile_high_rows.)
 template <int BITS, int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -899,10 +905,8 @@ void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t 
             mnf0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(r0, 4));
             mnf1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(r1, 4));
             const int64_t at = (tile * (nb / 8) + b / 8) * NR, next = (nb / 8) * NR;
-            d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(w.d + at))),
-                                                          _mm_loadu_si128((const __m128i*)(w.d + at + next)), 1));
-            m16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(w.m + at))),
-                                                          _mm_loadu_si128((const __m128i*)(w.m + at + next)), 1));
+            d16 = halves16(w.d + at, next);
+            m16 = halves16(w.m + at, next);
         } else {
             const uint8_t* s0p = w.sub + (tile * nb + b) * 16;
             const uint8_t* s1p = s0p + nb * 16;  // the next tile's
@@ -930,8 +934,10 @@ void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t 
                 acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(a.s[at]), acc[i]);
             } else if constexpr (BITS == 2) {  // T and U in float, exact as in the AVX2 loop
                 const int32_t x0 = a.h[at], x1 = a.n[at] - x0;
-                const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_lo), scf0, _mm512_mul_ps(_mm512_cvtepi32_ps(s_hi), scf1));
-                const __m512 u = _mm512_fmadd_ps(_mm512_set1_ps((float)x0), mnf0, _mm512_mul_ps(_mm512_set1_ps((float)x1), mnf1));
+                const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_lo), scf0,
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(s_hi), scf1));
+                const __m512 u = _mm512_fmadd_ps(_mm512_set1_ps((float)x0), mnf0,
+                                                 _mm512_mul_ps(_mm512_set1_ps((float)x1), mnf1));
                 const __m512 dx = _mm512_set1_ps(a.d[at]);
                 acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d16, dx), acc[i]);
                 acc[i] = _mm512_fnmadd_ps(u, _mm512_mul_ps(m16, dx), acc[i]);

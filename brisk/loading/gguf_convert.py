@@ -207,7 +207,8 @@ def _repack_q2_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
     (uint8 [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_int2)."""
     q, scales, d, dmin = q2_k_parts(raw)
     return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
-            "mins": dmin.reshape(rows, cols // QK_K), "subscales": np.ascontiguousarray(scales).reshape(rows, cols // QK, 2)}
+            "mins": dmin.reshape(rows, cols // QK_K),
+            "subscales": np.ascontiguousarray(scales).reshape(rows, cols // QK, 2)}
 
 
 def _repack_iq4_nl(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -251,7 +252,8 @@ def stored_arrays(fmt: QuantFormat | None, float_type: str = "F32") -> list[tupl
     arrays = [("qweight", "I8" if fmt.bits == 8 else "U8"), ("scales", "F16")]
     signed = fmt.bits in SIGNED_OFFSETS or fmt.codebook
     return arrays + ([("mins", "F16")] if fmt.has_mins else []) + \
-        ([("subscales", "I8" if signed else "U8")] if fmt.superblocks else []) + ([(CODEBOOK, "I8")] if fmt.codebook else [])
+        ([("subscales", "I8" if signed else "U8")] if fmt.superblocks else []) + \
+        ([(CODEBOOK, "I8")] if fmt.codebook else [])
 
 
 def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> tuple[int, ...]:
@@ -261,7 +263,8 @@ def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> 
         return (len(IQ4_VALUES),)
     if fmt.superblocks:  # always tiled (a weight that cannot be is stored without them)
         return {"qweight": (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits]),
-                "subscales": (rows // TILE_ROWS, cols // QK, 8 if fmt.codebook else 16)}.get(suffix, (rows // TILE_ROWS, cols // QK_K, TILE_ROWS))
+                "subscales": (rows // TILE_ROWS, cols // QK, 8 if fmt.codebook else 16)
+                }.get(suffix, (rows // TILE_ROWS, cols // QK_K, TILE_ROWS))
     if fmt.tiled:
         return (rows // TILE_ROWS, cols // QK, TILE_BYTES[fmt.bits] if suffix == "qweight" else TILE_ROWS)
     if suffix == "qweight":

@@ -217,14 +217,16 @@ MIXES = {  # llama.cpp's mixes, as far as a test model needs them: tensor name s
     "Q5_K_M": ("Q5_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
     "Q3_K_M": ("Q3_K", {"attn_v.weight": "Q4_K", "attn_output.weight": "Q4_K", "ffn_down.weight": "Q4_K",
                         "output.weight": "Q6_K"}),
-    "Q2_K_mix": ("Q2_K", {"attn_v.weight": "Q3_K", "ffn_down.weight": "Q3_K", "output.weight": "Q6_K"}),  # llama.cpp's Q2_K
+    # llama.cpp's Q2_K
+    "Q2_K_mix": ("Q2_K", {"attn_v.weight": "Q3_K", "ffn_down.weight": "Q3_K", "output.weight": "Q6_K"}),
 }
 
 
 def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
                       tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
     """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
-    Q8_0, F32: what `gguf.quants.quantize` writes; or Q3_K-Q6_K, `quantize_q4_k` / `quantize_q6_k`...), norms in F32. The tokenizer is copied from
+    Q8_0, F32: what `gguf.quants.quantize` writes; or Q2_K-Q6_K, IQ4_NL, IQ4_XS: this module's quantize_*),
+    norms in F32. The tokenizer is copied from
     `tokenizer_from`, or (None) a `small_vocab`-token one. A mix of `MIXES` (Q4_K_M, Q3_K_M) gives some tensors
     another type, as llama.cpp's mix does in every layer (its own choice bumps only some layers)."""
     import gguf
@@ -233,7 +235,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
     K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
                     gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
                     gguf.GGMLQuantizationType.Q2_K: quantize_q2_k,
-                    gguf.GGMLQuantizationType.IQ4_NL: quantize_iq4_nl, gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
+                    gguf.GGMLQuantizationType.IQ4_NL: quantize_iq4_nl,
+                    gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
 
     base, overrides = MIXES.get(tensor_type, (tensor_type, {}))
     writer = gguf.GGUFWriter(str(path), "llama")
