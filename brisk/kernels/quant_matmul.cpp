@@ -442,6 +442,13 @@ void tile_rows_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, i
 // are the 16 rows' block sums, with no halves to add. Per block and activation row: 8 vpdpbusd
 // for 16 weight rows, against 4 vpdpbusd + 4 permutes + an extract and add for 8 rows above.
 // Float steps per output element as in tile_rows: bit for bit the same results.
+// A pair of tiles' 16 outputs of activation row r, from one zmm: out[r][8 tile .. 8 tile + 16).
+__attribute__((target("avx512f,avx2"))) inline void store_pair(float* out, int64_t r, int64_t N, int64_t tile,
+                                                               __m512 acc) {
+    _mm256_storeu_ps(out + r * N + tile * NR, _mm512_castps512_ps256(acc));
+    _mm256_storeu_ps(out + r * N + tile * NR + NR, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+}
+
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 void tile_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
@@ -485,11 +492,7 @@ void tile_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, i
             acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
         }
     }
-    for (int i = 0; i < MT; i++) {
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, _mm512_castps512_ps256(acc[i]));
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR + NR,
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-    }
+    for (int i = 0; i < MT; i++) store_pair(out, r0 + i, N, tile, acc[i]);
 }
 
 // ---------------------------------------------------------------- int8 in tiles of 8 weight rows
@@ -587,11 +590,7 @@ void tile8_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, 
                                          _mm512_set1_ps(a.s[(r0 + i) * nb + b]), acc[i]);
         }
     }
-    for (int i = 0; i < MT; i++) {
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, _mm512_castps512_ps256(acc[i]));
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR + NR,
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-    }
+    for (int i = 0; i < MT; i++) store_pair(out, r0 + i, N, tile, acc[i]);
 }
 
 // Weight row n of the tiled int8 layout, one activation row, portable: the same float steps.
@@ -953,11 +952,7 @@ void tile_high_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t 
             }
         }
     }
-    for (int i = 0; i < MT; i++) {
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, _mm512_castps512_ps256(acc[i]));
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR + NR,
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-    }
+    for (int i = 0; i < MT; i++) store_pair(out, r0 + i, N, tile, acc[i]);
 }
 
 // Row j's weight 4v+e (second: 16+4v+e) of a tiled int2/int3/int5/int6 block, as the vector paths unpack it.
@@ -1116,11 +1111,7 @@ void tile_iq4_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r
             acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(d16, _mm512_set1_ps(a.d[at])), acc[i]);
         }
     }
-    for (int i = 0; i < MT; i++) {
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR, _mm512_castps512_ps256(acc[i]));
-        _mm256_storeu_ps(out + (r0 + i) * N + tile * NR + NR,
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-    }
+    for (int i = 0; i < MT; i++) store_pair(out, r0 + i, N, tile, acc[i]);
 }
 
 // Weight row n of the tiled iq4 layout, one activation row, portable: the same integer and float steps.
