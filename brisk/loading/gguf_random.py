@@ -97,6 +97,21 @@ def quantize_q5_k(values: np.ndarray) -> np.ndarray:
     return quantize_q4_k(values, top=31)
 
 
+def _signed_sixteens(values: np.ndarray, span: float, low: int, high: int, sc_max: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K's/Q3_K's scheme for random test weights: per super-block of 256 a float16 d, per 16 a signed
+    integer sc (each 16's largest magnitude over `span` steps, sc = that step / d in [-sc_max - 1, sc_max]),
+    values q in [low, high]. Returns (d [n] float16, sc [n, 16] int16, q - low [n, 16, 16] uint8)."""
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-blocks, 16]
+    scale = np.abs(x).max(-1) / span
+    d = (scale.max(-1) / sc_max).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -sc_max - 1, sc_max)
+    step = (df * sc.astype(np.float32))[..., None]
+    q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), low, high) - low
+    return d, sc.astype(np.int16), q.astype(np.uint8)
+
+
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> GGUF Q6_K blocks [rows, cols / 256 * 210] (uint8),
     for random-weight test models (the `gguf` package has no Q6_K quantizer; this one takes each 16's
@@ -104,14 +119,9 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     128h + 64 + i), 64 bytes of top 2 bits (byte i of half h, bits 2s: element 128h + 32s + i), 16 signed
     scales, float16 d; w = d * sc * (q - 32)."""
     rows, cols = values.shape
-    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-blocks, 16]
-    scale = np.abs(x).max(-1) / 31.5
-    d = (scale.max(-1) / 127).astype(np.float16)
-    df = d.astype(np.float32)[:, None]
-    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
-    step = (df * sc.astype(np.float32))[..., None]
-    q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -32, 31).astype(np.int16) + 32
-    q = q.astype(np.uint8).reshape(-1, 2, 128)  # [super-blocks, half, 128]
+    d, sc, q = _signed_sixteens(values, 31.5, -32, 31, 127)
+    sc = sc.astype(np.int8)
+    q = q.reshape(-1, 2, 128)  # [super-blocks, half, 128]
     ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)
     top = (q >> 4).reshape(-1, 2, 4, 32)
     qh = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
@@ -194,13 +204,7 @@ def quantize_q3_k(values: np.ndarray) -> np.ndarray:
     bytes (scale i: nibble i // 8 of byte i % 8, its top 2 bits at 2 (i // 4) of byte 8 + i % 4),
     float16 d; w = d * sc * (q - 4)."""
     rows, cols = values.shape
-    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-blocks, 16]
-    scale = np.abs(x).max(-1) / 4
-    d = (scale.max(-1) / 31).astype(np.float16)
-    df = d.astype(np.float32)[:, None]
-    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -32, 31).astype(np.int16)
-    step = (df * sc.astype(np.float32))[..., None]
-    q = (np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -4, 3) + 4).astype(np.uint8)
+    d, sc, q = _signed_sixteens(values, 4, -4, 3, 31)
     q = q.reshape(-1, 2, 4, 32)  # [super-blocks, half h, j, l]
     hmask = ((q >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)
     qs = ((q & 3) << np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8)
