@@ -3,8 +3,9 @@
 `quant_matmul.cpp` (weight-only int4/int8 matmuls), `half_matmul.cpp` (bfloat16/float16 weights,
 float32 activations), `paged_attention.cpp` (decode attention
 through block tables), `fused_ops.cpp` (a decoder layer's norm, RoPE, SiLU-gate and K/V store,
-one call each; Python side in `fused.py`) and `decoder.cpp` (a decode step's whole layer stack over
-those, driven by `brisk/engine/decode_stack.py`), see their headers, make one plain C library,
+one call each; Python side in `fused.py`), `decoder.cpp` (a decode step's whole layer stack over
+those, driven by `brisk/engine/decode_stack.py`) and `repack.cpp` (a GGUF conversion's byte moves,
+`brisk/loading/repack.py`), see their headers, make one plain C library,
 `_kernels.so`.
 `make` builds it next to this file (`python -m brisk.kernels`), and so does `pip install` of a
 checkout (setup.py); an install without either builds it on first use into
@@ -250,22 +251,27 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).view(n, half * 2)
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Bytes -> the same memory as int32 words (the last dimension a multiple of 4)."""
+    t = t.contiguous()
+    return (t if t.storage_offset() % 4 == 0 else t.clone()).view(torch.int32)
+
+
 def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """int4 blocks in the row layout ([N, K/2], [N, K/32]) -> the tiled layout the kernel reads fastest
     at every row count (quant_matmul.cpp, "int4 in tiles of 8 weight rows"): qweight [N/8, K/32, 128]
     (per tile and block, 4 vectors of 8 rows x 4 bytes: low nibbles weights 4v..4v+3, high nibbles
     4(v+4)..4(v+4)+3), scales and mins [N/8, K/32, 8]. N must be a multiple of 8. Bytes move, values
-    do not: `untile_int4` gives back the same tensors."""
+    do not: `untile_int4` gives back the same tensors.
+    A row-layout byte j of a block holds weights j and j + 16 (GGUF's order), just what byte 4v + e of
+    a tile's vector v wants (j = 4v + e): tiling is a transpose of 4-byte words, [row, v] -> [v, row]."""
     n, half = qweight.shape
     if n % TILE_ROWS:
         raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
     nb = half * 2 // QK
-    # values [tile, row j, block, step s (weights 4s..4s+3), e]
-    q = unpack_int4(qweight).view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4)
-    q = q.permute(0, 2, 3, 1, 4)  # [tile, block, step, row, e]
-    packed = q[:, :, :4] | (q[:, :, 4:] << 4)  # [tile, block, v, row, e]
-    qt = packed.reshape(n // TILE_ROWS, nb, 128).contiguous()
+    words = _words(qweight).view(n // TILE_ROWS, TILE_ROWS, nb, 4)  # [tile, row, block, v]
+    qt = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(n // TILE_ROWS, nb, 128)
     return qt, _tile_side(scales, n, nb), _tile_side(mins, n, nb)
 
 
@@ -279,8 +285,9 @@ def tile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
     if n % TILE_ROWS:
         raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
     nb = k // QK
-    q = qweight.view(n // TILE_ROWS, TILE_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, block, v, row, e]
-    return q.reshape(n // TILE_ROWS, nb, 256).contiguous(), _tile_side(scales, n, nb), _tile_side(mins, n, nb)
+    words = _words(qweight).view(n // TILE_ROWS, TILE_ROWS, nb, 8)  # [tile, row, block, v]: 4 weights a word
+    qt = words.permute(0, 2, 3, 1).contiguous().view(torch.int8).view(n // TILE_ROWS, nb, 256)
+    return qt, _tile_side(scales, n, nb), _tile_side(mins, n, nb)
 
 
 def _tile_side(t: torch.Tensor | None, n: int, nb: int) -> torch.Tensor | None:
@@ -438,6 +445,23 @@ def untile_int6(qweight: torch.Tensor) -> torch.Tensor:
     return (low | (top << 4)).reshape(n, nb * QK)
 
 
+def tile_values(q: torch.Tensor, bits: int, compiled: bool = True) -> torch.Tensor:
+    """Values [N, K] (uint8, one a byte) -> the tiled int2/int3/int5/int6 layout (`tile_int2` .. `tile_int6`):
+    repack.cpp's `brisk_tile_values` when the kernels are built (tests/test_repack.py holds it to those
+    functions, byte for byte), else they."""
+    lib = library() if compiled else None
+    if lib is None:
+        return {2: tile_int2, 3: tile_int3, 5: tile_int5, 6: tile_int6}[bits](q)
+    n, k = q.shape
+    if n % TILE_ROWS or k % QK:
+        raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows and {QK} columns, got {n} x {k}")
+    q = q.contiguous()
+    out = torch.empty(n // TILE_ROWS, k // QK, TILE_BYTES[bits], dtype=torch.uint8)
+    if lib.brisk_tile_values(q.data_ptr(), n, k, bits, out.data_ptr()):
+        raise ValueError(f"no compiled tiling for {bits}-bit values")
+    return out
+
+
 def signed_rows(qweight: torch.Tensor, supers: torch.Tensor, subscales: torch.Tensor, bits: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled int3/int6 with their scales (GGUF Q3_K/Q6_K kept as stored) -> the row layout: values [N, K]
@@ -493,14 +517,12 @@ def dequantize_iq4(qweight: torch.Tensor, scales: torch.Tensor, subscales: torch
 
 def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The tiled int4 layout -> the row layout (the inverse of `tile_int4`)."""
+    """The tiled int4 layout -> the row layout (the inverse of `tile_int4`: the words transposed back)."""
     tiles, nb, _ = qweight.shape
     n = tiles * TILE_ROWS
-    packed = qweight.view(tiles, nb, 4, TILE_ROWS, 4)
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [tile, block, step, row, e]
-    values = q.permute(0, 3, 1, 2, 4).reshape(n, nb, QK)  # [row, block, 32 weights]
-    rows = (values[:, :, :QK // 2] | (values[:, :, QK // 2:] << 4)).reshape(n, nb * QK // 2)
-    return rows.contiguous(), untile_side(scales, n, nb), untile_side(mins, n, nb)
+    words = _words(qweight).view(tiles, nb, 4, TILE_ROWS)  # [tile, block, v, row]
+    rows = words.permute(0, 3, 1, 2).contiguous().view(torch.uint8).view(n, nb * QK // 2)
+    return rows, untile_side(scales, n, nb), untile_side(mins, n, nb)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None, bits: int,

@@ -48,6 +48,10 @@ SIGNATURES = {
     "brisk_store_kv": ([_p, _p, _i64, _p, _p, _p, _p, _p, _i32, _i64, _i64, _i64], None),
     "brisk_decode_stack": ([ctypes.POINTER(Layer), _i64, ctypes.POINTER(Dims), _p, _p, _p, _p, _p, _p, _i64, _p, _i64,
                             ctypes.POINTER(Scratch), _p], _i32),
+    "brisk_k_quant_values": ([_p, _i32, _i64, _p], _i32),
+    "brisk_k4_codes": ([_p, _i64, _i64, _i64, _p], None),
+    "brisk_k4_scales": ([_p, _i64, _i64, _p, _p, _p], None),
+    "brisk_tile_values": ([_p, _i64, _i64, _i32, _p], _i32),
 }
 
 

@@ -96,4 +96,17 @@ int brisk_decode_stack(const BriskLayer* layers, int64_t num_layers, const Brisk
                        const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens, int64_t rows,
                        const BriskScratch* scratch, float* out);
 
+// repack.cpp: GGUF K-quant weights -> brisk's layouts at conversion (0, or 1 for bits it does not take).
+// n_super super-blocks of GGUF type Q6_K/Q5_K/Q3_K/Q2_K (bits 6/5/3/2) -> their values, 256 a super-block.
+int brisk_k_quant_values(const uint8_t* blocks, int bits, int64_t n_super, uint8_t* out);
+// Q4_K's (or Q5_K's low) nibbles, 128 bytes at qs_offset of each block_bytes -> 16 bytes a block of 32 in
+// Q4_0's nibble order (byte j: weight j | weight j + 16 << 4)
+void brisk_k4_codes(const uint8_t* blocks, int64_t block_bytes, int64_t qs_offset, int64_t n_super, uint8_t* out);
+// Q4_K's (or Q5_K's) scales as stored: each super-block's float16 d and dmin (their bits) and its 8 blocks'
+// 6-bit sc and mn, interleaved [n_super, 8, 2]
+void brisk_k4_scales(const uint8_t* blocks, int64_t block_bytes, int64_t n_super, uint16_t* d, uint16_t* dmin,
+                     uint8_t* sub);
+// values [rows, cols] (one a byte) -> the tiled int2/int3/int5/int6 layout (brisk.kernels.tile_int*)
+int brisk_tile_values(const uint8_t* q, int64_t rows, int64_t cols, int bits, uint8_t* out);
+
 }  // extern "C"

@@ -71,11 +71,17 @@ def dequant_q5_1(raw: np.ndarray) -> np.ndarray:
     return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
 
 
-def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unpack the 12-byte 6-bit scales/mins of Q4_K/Q5_K -> two [n, 8] arrays."""
+def k_scale_codes(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack the 12-byte 6-bit scales/mins of Q4_K/Q5_K -> two [n, 8] uint8 arrays."""
     lo, mid, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
     mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`k_scale_codes` as float32."""
+    sc, mn = k_scale_codes(scales)
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
@@ -92,6 +98,16 @@ def _split_nibbles_64(qs: np.ndarray) -> np.ndarray:
     """[n, 128] bytes -> [n, 8, 32]: each 32-byte chunk gives a low-nibble then a high-nibble sub-block."""
     chunks = qs.reshape(-1, 4, 1, 32)
     return np.concatenate([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def nibbles_64_as_32s(qs: np.ndarray) -> np.ndarray:
+    """[n, 128] bytes of 64-weight chunks (a chunk's 32 bytes: weights 0..31 in the low nibbles, 32..63 in
+    the high) -> [n, 8, 16]: each block of 32 in Q4_0's nibble order (byte j: weight j | weight j + 16
+    << 4), what `_split_nibbles_64` then `pack_int4` give, without unpacking: the low halves of bytes j and
+    j + 16 of a chunk make its first block's byte j, their high halves the second's."""
+    chunks = qs.reshape(-1, 4, 2, 16)  # [n, chunk, bytes 0..15 / 16..31, 16]
+    first, second = chunks[:, :, 0], chunks[:, :, 1]
+    return np.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], axis=2).reshape(-1, 8, 16)
 
 
 def dequant_q4_k(raw: np.ndarray) -> np.ndarray:
@@ -129,7 +145,12 @@ def q6_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
     high = (qh >> shifts) & 3  # [n, half, 4, 32]
     q = (low | (high << 4)).reshape(-1, QK_K)  # element l of quarter j: scale index j * 2 + l // 16
-    return q, b[:, 192:208].view(np.int8), b[:, 208:210].copy().view(np.float16)[:, 0]
+    return (q, *q6_k_scales(b))
+
+
+def q6_k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [n, 210] -> (sc [n, 16] int8, d [n] float16): `q6_k_parts`'s scales."""
+    return b[:, 192:208].view(np.int8), b[:, 208:210].copy().view(np.float16)[:, 0]
 
 
 def dequant_q6_k(raw: np.ndarray) -> np.ndarray:
@@ -147,8 +168,12 @@ def q2_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     d * sc * q - dmin * mn. Element 128h + 32j + l takes the 2 bits at 2j of qs[32h + l]."""
     b = _blocks(raw, Q2_K_BYTES)
     q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
-    return (q.reshape(-1, QK_K), b[:, :16], b[:, 80:82].copy().view(np.float16)[:, 0],
-            b[:, 82:84].copy().view(np.float16)[:, 0])
+    return (q.reshape(-1, QK_K), *q2_k_scales(b))
+
+
+def q2_k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K super-blocks [n, 84] -> (scales [n, 16] uint8, d [n], dmin [n] float16): `q2_k_parts`'s scales."""
+    return b[:, :16], b[:, 80:82].copy().view(np.float16)[:, 0], b[:, 82:84].copy().view(np.float16)[:, 0]
 
 
 def dequant_q2_k(raw: np.ndarray) -> np.ndarray:
@@ -168,14 +193,20 @@ def q3_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     that bit is clear); scale i's low 4 bits are nibble i // 8 of byte i % 8, its top 2 the bits at
     2 (i // 4) of byte 8 + i % 4."""
     b = _blocks(raw, Q3_K_BYTES)
-    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    hmask, qs = b[:, :32], b[:, 32:96]
     low = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
     top = (hmask[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 4h + j, 32]
     q = (low.reshape(-1, 8, 32) | (top << 2)).reshape(-1, QK_K)
+    return (q, *q3_k_scales(b))
+
+
+def q3_k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K super-blocks [n, 110] -> (sc [n, 16] int8, d [n] float16): `q3_k_parts`'s scales."""
+    packed = b[:, 96:108]
     i = np.arange(16)
     sc = ((packed[:, i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 0x0F) | \
         (((packed[:, 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3) << 4)
-    return q, (sc.astype(np.int16) - 32).astype(np.int8), b[:, 108:110].copy().view(np.float16)[:, 0]
+    return (sc.astype(np.int16) - 32).astype(np.int8), b[:, 108:110].copy().view(np.float16)[:, 0]
 
 
 def dequant_q3_k(raw: np.ndarray) -> np.ndarray:

@@ -3,7 +3,7 @@
 The first start with a GGUF file writes a converted copy into the cache directory, keyed by
 the file's size, mtime, a hash of its first MiB and the `--quantization` mode; every later
 start memory-maps that copy (zero-copy) instead. Tensors are written one at a time by a
-streaming safetensors writer, so memory stays bounded by the largest (fused) tensor, and the
+streaming safetensors writer, so memory stays bounded by the two largest (fused) tensors, and the
 result appears atomically (temp dir, rename).
 
 Quantized weights stay quantized (`brisk.models.quant`'s int4/int8 blocks of 32): with the
@@ -24,6 +24,11 @@ Float matrices stored as F16 or BF16 (llama.cpp's `--outtype f16|bf16`) stay 16-
 bit for bit; the loader then keeps them so on CPU (`_auto_weights`), as for a bf16 safetensors
 checkpoint.
 
+The byte moves over every weight (K-quant values and nibbles, their scales, the tiles) run compiled
+(`brisk.loading.repack`, `brisk/kernels/repack.cpp`; numpy/torch without the kernels, the same bytes), and
+one thread writes a tensor while the next is produced: a Mistral-7B-shaped Q4_K_M converts in ~9-13 s
+where it took ~40 s (benchmarks/RESULTS.md).
+
 The converted safetensors use brisk's layout: q/k/v and gate/up already fused
 (`qkv_proj`, `gate_up_proj`), so a warm start does no copy at all.
 """
@@ -37,6 +42,7 @@ import os
 import shutil
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -46,11 +52,12 @@ import torch
 
 from brisk.errors import ModelLoadError
 from brisk.kernels import IQ4_VALUES, QK, SIGNED_OFFSETS, TILE_BYTES, TILE_ROWS
-from brisk.loading.dequant import (DEQUANTIZERS, Q5_K_BYTES, QK_K, _k_scales_mins, _split_nibbles_64, check_type,
-                                   IQ4_XS_BYTES, q2_k_parts, q3_k_parts, q5_k_values, q6_k_parts)
+from brisk.loading import repack
+from brisk.loading.dequant import (DEQUANTIZERS, IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
+                                   _k_scales_mins, check_type, q2_k_scales, q3_k_scales, q6_k_scales)
 from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
-from brisk.models.quant import CODEBOOK, PARTS, QUANTIZERS, QuantFormat, check_quantizable, pack_int4, tile, tileable
+from brisk.models.quant import CODEBOOK, PARTS, QUANTIZERS, QuantFormat, check_quantizable, tile, tileable
 
 log = logging.getLogger("brisk.loading")
 
@@ -160,8 +167,7 @@ def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = _k_scales_mins(blocks[:, 4:16])  # [n, 8] each
-    q = _split_nibbles_64(blocks[:, 16:]).reshape(rows, cols)  # values 0..15 in element order
-    return {"qweight": pack_int4(torch.from_numpy(q)).numpy(),
+    return {"qweight": repack.k4_codes(blocks, 16).reshape(rows, cols // 2),
             "scales": (d * sc).astype(np.float16).reshape(rows, cols // QK),
             "mins": (-(dmin * mn)).astype(np.float16).reshape(rows, cols // QK)}
 
@@ -169,11 +175,9 @@ def _repack_q4_k(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]
 def _k_super_scales(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     """Q4_K/Q5_K super-blocks' scales as stored: each row's d and dmin per super-block (float16) and each
     block's 6-bit sc and mn (uint8 [rows, cols/32, 2])."""
-    supers = cols // QK_K
-    d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, supers)
-    dmin = blocks[:, 2:4].copy().view(np.float16).reshape(rows, supers)
-    sc, mn = _k_scales_mins(blocks[:, 4:16])  # [n, 8] each, exact small integers
-    return {"scales": d, "mins": dmin, "subscales": np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(rows, cols // QK, 2)}
+    d, dmin, sub = repack.k4_scales(blocks)
+    return {"scales": d.reshape(rows, cols // QK_K), "mins": dmin.reshape(rows, cols // QK_K),
+            "subscales": sub.reshape(rows, cols // QK, 2)}
 
 
 def _repack_q4_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -181,23 +185,23 @@ def _repack_q4_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
     and the super-block scales (`_k_super_scales`); bytes move, no value is recomputed
     (brisk.kernels.tile_superblocks)."""
     blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, 2 + 2 + 12 + QK_K // 2)
-    q = _split_nibbles_64(blocks[:, 16:]).reshape(rows, cols)
-    return {"qweight": pack_int4(torch.from_numpy(q)).numpy(), **_k_super_scales(blocks, rows, cols)}
+    return {"qweight": repack.k4_codes(blocks, 16).reshape(rows, cols // 2), **_k_super_scales(blocks, rows, cols)}
 
 
 def _repack_q5_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     """Q5_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: 5-bit values (uint8
     [rows, cols]) and the super-block scales as Q4_K's (brisk.kernels.tile_int5)."""
     blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, Q5_K_BYTES)
-    return {"qweight": q5_k_values(blocks).reshape(rows, cols), **_k_super_scales(blocks, rows, cols)}
+    return {"qweight": repack.k_quant_values(blocks, 5).reshape(rows, cols), **_k_super_scales(blocks, rows, cols)}
 
 
-def _signed_super(parts: tuple[np.ndarray, np.ndarray, np.ndarray], rows: int, cols: int) -> dict[str, np.ndarray]:
-    """Q6_K/Q3_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: their values
-    (uint8 [rows, cols]), each row's d per super-block (float16) and a signed sc per 16 weights (int8
+def _repack_signed(raw: np.ndarray, rows: int, cols: int, bits: int) -> dict[str, np.ndarray]:
+    """Q6_K/Q3_K super-blocks of 256 (bits 6/3) kept as stored, in brisk's row layout before tiling: their
+    values (uint8 [rows, cols]), each row's d per super-block (float16) and a signed sc per 16 weights (int8
     [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_int6 / tile_int3)."""
-    q, sc, d = parts
-    return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, Q6_K_BYTES if bits == 6 else Q3_K_BYTES)
+    sc, d = (q6_k_scales if bits == 6 else q3_k_scales)(blocks)
+    return {"qweight": repack.k_quant_values(blocks, bits).reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
             "subscales": np.ascontiguousarray(sc).reshape(rows, cols // QK, 2)}
 
 
@@ -205,8 +209,9 @@ def _repack_q2_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
     """Q2_K super-blocks of 256 kept as stored, in brisk's row layout before tiling: 2-bit values (uint8
     [rows, cols]), each row's d and dmin per super-block (float16) and the file's byte per 16 weights, sc | mn << 4
     (uint8 [rows, cols/32, 2]); bytes move, no value is recomputed (brisk.kernels.tile_int2)."""
-    q, scales, d, dmin = q2_k_parts(raw)
-    return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, Q2_K_BYTES)
+    scales, d, dmin = q2_k_scales(blocks)
+    return {"qweight": repack.k_quant_values(blocks, 2).reshape(rows, cols), "scales": d.reshape(rows, cols // QK_K),
             "mins": dmin.reshape(rows, cols // QK_K),
             "subscales": np.ascontiguousarray(scales).reshape(rows, cols // QK, 2)}
 
@@ -232,8 +237,8 @@ def _repack_iq4_xs(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarra
 
 
 _SUPER_REPACKS = {"Q4_K": _repack_q4_k_super, "Q5_K": _repack_q5_k_super,
-                  "Q6_K": lambda raw, rows, cols: _signed_super(q6_k_parts(raw), rows, cols),
-                  "Q3_K": lambda raw, rows, cols: _signed_super(q3_k_parts(raw), rows, cols),
+                  "Q6_K": lambda raw, rows, cols: _repack_signed(raw, rows, cols, 6),
+                  "Q3_K": lambda raw, rows, cols: _repack_signed(raw, rows, cols, 3),
                   "Q2_K": _repack_q2_k_super, "IQ4_NL": _repack_iq4_nl, "IQ4_XS": _repack_iq4_xs}
 
 
@@ -390,13 +395,21 @@ class _Group:
             plain = replace(self.fmt, tiled=False) if self.fmt else self.fmt
             loaded = [{"weight": self.tensors.load_raw16(p)} if self.float_type != "F32" else
                       self.tensors.load_as(p, plain) for p in self.parts]
-            self._arrays = {k: np.concatenate([a[k] for a in loaded], axis=0) for k in loaded[0]}
+            self._arrays = {k: _rows_of([a[k] for a in loaded]) for k in loaded[0]}
             if self.fmt is not None and self.fmt.codebook:  # the table the codes stand for, once per weight
                 self._arrays[CODEBOOK] = np.array(IQ4_VALUES, dtype=np.int8)
             if self.fmt is not None and self.fmt.tiled:
                 self._arrays = {k: v.numpy() for k, v in
                                 tile({k: torch.from_numpy(v) for k, v in self._arrays.items()}, self.fmt.bits).items()}
         return self._arrays.pop(suffix)  # each array is written once; memory is freed as we go
+
+
+def _rows_of(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts of a fused weight one above the other; a lone part as it is when it is our own contiguous array
+    (a view of the GGUF's read-only map is copied, as concatenating would)."""
+    if len(parts) == 1 and parts[0].flags.writeable and parts[0].flags.c_contiguous:
+        return parts[0]
+    return np.concatenate(parts, axis=0)
 
 
 def _groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
@@ -516,12 +529,20 @@ def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
                                          len(plan)) as progress:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, dtype, shape, produce in plan:
-            progress.advance()
-            values = np.ascontiguousarray(produce(), dtype=_NUMPY_DTYPES[dtype])
-            if values.shape != tuple(shape):
-                raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {values.shape}")
-            f.write(values.tobytes())
+        # one thread writes a tensor while this one produces the next (file writes and numpy's loops drop
+        # the GIL): at most two tensors are held at once
+        with ThreadPoolExecutor(1, thread_name_prefix="brisk-convert-write") as writer:
+            writing = None
+            for name, dtype, shape, produce in plan:
+                progress.advance()
+                values = np.ascontiguousarray(produce(), dtype=_NUMPY_DTYPES[dtype])
+                if values.shape != tuple(shape):
+                    raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {values.shape}")
+                if writing is not None:
+                    writing.result()
+                writing = writer.submit(f.write, values.reshape(-1).view(np.uint8))
+            if writing is not None:
+                writing.result()
     return offset
 
 

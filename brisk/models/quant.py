@@ -311,9 +311,9 @@ def tile(blocks: dict[str, torch.Tensor], bits: int | None = None) -> dict[str, 
     if "subscales" in blocks:  # K-quants kept as stored: Q6_K's/Q3_K's signed sub-scales; Q5_K's values one a byte; Q4_K
         q, sub = blocks["qweight"], blocks["subscales"]
         if sub.dtype == torch.int8:
-            qweight = kernels.tile_int3(q) if bits == 3 else kernels.tile_int6(q)
+            qweight = kernels.tile_values(q, 3 if bits == 3 else 6)
         else:
-            qweight = (kernels.tile_int2(q) if bits == 2 else kernels.tile_int5(q) if q.shape[1] == sub.shape[1] * QK
+            qweight = (kernels.tile_values(q, 2) if bits == 2 else kernels.tile_values(q, 5) if q.shape[1] == sub.shape[1] * QK
                        else kernels.tile_int4(q, None, None)[0])
         scales, mins, sub = kernels.tile_superblocks(blocks["scales"], blocks.get("mins"), blocks["subscales"])
         return {"qweight": qweight, "scales": scales, "subscales": sub, **({"mins": mins} if mins is not None else {})}
