@@ -71,6 +71,27 @@ def test_tile_values_match_the_torch_reference(bits):
 
 
 @compiled
+@pytest.mark.parametrize("block_bytes,head_bytes", [(18, 2), (20, 4), (34, 2)])  # Q4_0/IQ4_NL, Q4_1, Q8_0
+def test_split_blocks_match_the_numpy_reference(block_bytes, head_bytes):
+    blocks = random_bytes(29 * block_bytes, seed=block_bytes)
+    ours = repack.split_blocks(blocks, block_bytes, head_bytes)
+    reference = repack.split_blocks(blocks, block_bytes, head_bytes, compiled=False)
+    assert ours[0].shape == (29, head_bytes) and ours[1].shape == (29, block_bytes - head_bytes)
+    assert all(np.array_equal(a, b) for a, b in zip(ours, reference))
+
+
+@compiled
+@pytest.mark.parametrize("tiler", [kernels.tile_int4, kernels.tile_int8])
+def test_word_tiling_matches_the_torch_reference(tiler):
+    width = 96 // 2 if tiler is kernels.tile_int4 else 96
+    q = torch.from_numpy(random_bytes(24, width, seed=width))
+    q = q if tiler is kernels.tile_int4 else q.view(torch.int8)
+    scales = torch.rand(24, 3).half()
+    ours, reference = tiler(q, scales, None), tiler(q, scales, None, compiled=False)
+    assert ours[0].dtype == q.dtype and torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
+
+
+@compiled
 def test_tile_values_refuses_rows_that_do_not_fill_tiles():
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         kernels.tile_values(torch.zeros(12, 64, dtype=torch.uint8), 6)
@@ -85,9 +106,9 @@ def _converted_digest(path, out) -> str:
 
 
 @compiled
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q2_K_mix", "Q3_K_M"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q2_K_mix", "Q3_K_M", "Q4_1", "Q8_0", "IQ4_NL"])
 def test_conversion_writes_the_same_bytes_without_the_compiled_repack(tmp_path, monkeypatch, mix):
-    """Every K-quant type (Q2_K-Q6_K) through a whole conversion, once with repack.cpp and once with the
+    """Every K-quant type (Q2_K-Q6_K) and the blocks of 32 through a whole conversion, once with repack.cpp and once with the
     numpy/torch functions alone: the same checkpoint, byte for byte. A 132-token vocabulary leaves the
     embeddings' rows out of whole tiles (their other path)."""
     shape = Shape(hidden=256, layers=1, ffn=512, heads=4, kv_heads=2)

@@ -257,7 +257,21 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return (t if t.storage_offset() % 4 == 0 else t.clone()).view(torch.int32)
 
 
-def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+def _tile_words(rows: torch.Tensor, nb: int, words: int, compiled: bool) -> torch.Tensor:
+    """Rows [N, nb blocks of `words` 4-byte words] -> [N/8, nb, 32 * words]: per tile and block, word v of its 8
+    rows side by side, v by v (repack.cpp's `brisk_tile_words` when the kernels are built and `compiled`)."""
+    n = rows.shape[0]
+    lib = library() if compiled else None
+    if lib is None:
+        w = _words(rows).view(n // TILE_ROWS, TILE_ROWS, nb, words)  # [tile, row, block, v]
+        return w.permute(0, 2, 3, 1).contiguous().view(rows.dtype).view(n // TILE_ROWS, nb, 32 * words)
+    rows = rows.contiguous()
+    out = torch.empty(n // TILE_ROWS, nb, 32 * words, dtype=rows.dtype)
+    lib.brisk_tile_words(rows.data_ptr(), n, nb, words, out.data_ptr())
+    return out
+
+
+def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, compiled: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """int4 blocks in the row layout ([N, K/2], [N, K/32]) -> the tiled layout the kernel reads fastest
     at every row count (quant_matmul.cpp, "int4 in tiles of 8 weight rows"): qweight [N/8, K/32, 128]
@@ -270,12 +284,10 @@ def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
     if n % TILE_ROWS:
         raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
     nb = half * 2 // QK
-    words = _words(qweight).view(n // TILE_ROWS, TILE_ROWS, nb, 4)  # [tile, row, block, v]
-    qt = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(n // TILE_ROWS, nb, 128)
-    return qt, _tile_side(scales, n, nb), _tile_side(mins, n, nb)
+    return _tile_words(qweight, nb, 4, compiled), _tile_side(scales, n, nb), _tile_side(mins, n, nb)
 
 
-def tile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+def tile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, compiled: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """int8 blocks in the row layout ([N, K], [N, K/32]) -> the tiled int8 layout (quant_matmul.cpp,
     "int8 in tiles of 8 weight rows"): qweight [N/8, K/32, 256] (per tile and block, 8 vectors of 8 rows
@@ -285,9 +297,7 @@ def tile_int8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
     if n % TILE_ROWS:
         raise ValueError(f"tiling needs a multiple of {TILE_ROWS} rows, got {n}")
     nb = k // QK
-    words = _words(qweight).view(n // TILE_ROWS, TILE_ROWS, nb, 8)  # [tile, row, block, v]: 4 weights a word
-    qt = words.permute(0, 2, 3, 1).contiguous().view(torch.int8).view(n // TILE_ROWS, nb, 256)
-    return qt, _tile_side(scales, n, nb), _tile_side(mins, n, nb)
+    return _tile_words(qweight, nb, 8, compiled), _tile_side(scales, n, nb), _tile_side(mins, n, nb)
 
 
 def _tile_side(t: torch.Tensor | None, n: int, nb: int) -> torch.Tensor | None:

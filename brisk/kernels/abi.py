@@ -50,6 +50,8 @@ SIGNATURES = {
                             ctypes.POINTER(Scratch), _p], _i32),
     "brisk_k_quant_values": ([_p, _i32, _i64, _p], _i32),
     "brisk_k4_codes": ([_p, _i64, _i64, _i64, _p], None),
+    "brisk_split_blocks": ([_p, _i64, _i64, _i64, _p, _p], None),
+    "brisk_tile_words": ([_p, _i64, _i64, _i64, _p], None),
     "brisk_k4_scales": ([_p, _i64, _i64, _p, _p, _p], None),
     "brisk_tile_values": ([_p, _i64, _i64, _i32, _p], _i32),
 }

@@ -102,6 +102,13 @@ int brisk_k_quant_values(const uint8_t* blocks, int bits, int64_t n_super, uint8
 // Q4_K's (or Q5_K's low) nibbles, 128 bytes at qs_offset of each block_bytes -> 16 bytes a block of 32 in
 // Q4_0's nibble order (byte j: weight j | weight j + 16 << 4)
 void brisk_k4_codes(const uint8_t* blocks, int64_t block_bytes, int64_t qs_offset, int64_t n_super, uint8_t* out);
+// n_blocks blocks of block_bytes (Q4_0, Q4_1, Q8_0, IQ4_NL) -> their first head_bytes (the scales) and the rest
+// (the weights), each run together
+void brisk_split_blocks(const uint8_t* blocks, int64_t block_bytes, int64_t head_bytes, int64_t n_blocks, uint8_t* head,
+                        uint8_t* payload);
+// rows [n, nb blocks of `words` 4-byte words] -> tiles [n/8, nb, words, 8 rows] of the same words (tile_int4:
+// 4 words a block, tile_int8: 8)
+void brisk_tile_words(const uint8_t* rows, int64_t n, int64_t nb, int64_t words, uint8_t* out);
 // Q4_K's (or Q5_K's) scales as stored: each super-block's float16 d and dmin (their bits) and its 8 blocks'
 // 6-bit sc and mn, interleaved [n_super, 8, 2]
 void brisk_k4_scales(const uint8_t* blocks, int64_t block_bytes, int64_t n_super, uint16_t* d, uint16_t* dmin,

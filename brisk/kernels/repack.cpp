@@ -136,6 +136,29 @@ void brisk_k4_codes(const uint8_t* blocks, int64_t block_bytes, int64_t qs_offse
     }
 }
 
+void brisk_split_blocks(const uint8_t* blocks, int64_t block_bytes, int64_t head_bytes, int64_t n_blocks, uint8_t* head,
+                        uint8_t* payload) {
+    const int64_t tail = block_bytes - head_bytes;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n_blocks; i++) {
+        std::memcpy(head + i * head_bytes, blocks + i * block_bytes, head_bytes);
+        std::memcpy(payload + i * tail, blocks + i * block_bytes + head_bytes, tail);
+    }
+}
+
+void brisk_tile_words(const uint8_t* rows, int64_t n, int64_t nb, int64_t words, uint8_t* out) {
+    const int64_t row_bytes = nb * words * 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < n / TILE_ROWS; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t* dst = out + (t * nb + b) * words * 4 * TILE_ROWS;
+            for (int64_t j = 0; j < TILE_ROWS; j++) {
+                const uint8_t* src = rows + (t * TILE_ROWS + j) * row_bytes + b * words * 4;
+                for (int64_t v = 0; v < words; v++) std::memcpy(dst + (v * TILE_ROWS + j) * 4, src + 4 * v, 4);
+            }
+        }
+}
+
 void brisk_k4_scales(const uint8_t* blocks, int64_t block_bytes, int64_t n_super, uint16_t* d, uint16_t* dmin,
                      uint8_t* sub) {
 #pragma omp parallel for schedule(static)

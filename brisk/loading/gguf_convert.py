@@ -142,22 +142,21 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _f16_column(blocks: np.ndarray, start: int) -> np.ndarray:
-    """[n, blocks, bytes] -> [n, blocks] float16 stored at byte `start` of each block."""
-    return np.ascontiguousarray(blocks[:, :, start:start + 2]).view(np.float16)[:, :, 0]
+def _f16_column(head: np.ndarray, start: int, rows: int) -> np.ndarray:
+    """[n blocks, head bytes] -> [rows, n / rows] float16 stored at byte `start` of each block's head."""
+    return np.ascontiguousarray(head[:, start:start + 2]).view(np.float16).reshape(rows, -1)
 
 
 def _repack_legacy(raw: np.ndarray, rows: int, cols: int, qtype: str) -> dict[str, np.ndarray]:
     """Q4_0 / Q4_1 / Q8_0 bytes -> qweight/scales(/mins) by slicing: GGUF's nibble order is ours."""
     header = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
     payload = QK // 2 if qtype != "Q8_0" else QK
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // QK, header + payload)
-    out = {"qweight": np.ascontiguousarray(blocks[:, :, header:]).reshape(rows, -1),
-           "scales": _f16_column(blocks, 0)}
+    head, weights = repack.split_blocks(raw, header + payload, header)
+    out = {"qweight": weights.reshape(rows, -1), "scales": _f16_column(head, 0, rows)}
     if qtype == "Q8_0":
         out["qweight"] = out["qweight"].view(np.int8)
     if qtype == "Q4_1":
-        out["mins"] = _f16_column(blocks, 2)
+        out["mins"] = _f16_column(head, 2, rows)
     return out
 
 
@@ -219,8 +218,8 @@ def _repack_q2_k_super(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.nd
 def _repack_iq4_nl(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     """IQ4_NL blocks of 32 kept as stored, in brisk's int4 row layout before tiling: the 4-bit codes by
     slicing (Q4_0's nibble order) and the float16 d per block."""
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // QK, 2 + QK // 2)
-    return {"qweight": np.ascontiguousarray(blocks[:, :, 2:]).reshape(rows, -1), "scales": _f16_column(blocks, 0)}
+    head, codes = repack.split_blocks(raw, 2 + QK // 2, 2)
+    return {"qweight": codes.reshape(rows, -1), "scales": _f16_column(head, 0, rows)}
 
 
 def _repack_iq4_xs(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -390,18 +389,27 @@ class _Group:
         self.fmt = fmt
         self._arrays: dict[str, np.ndarray] | None = None
 
-    def take(self, suffix: str) -> np.ndarray:
+    def take(self, suffix: str) -> np.ndarray | list[np.ndarray]:
+        """The array stored as `suffix`, or its pieces to write one after the other (rows of tiles, by part)."""
         if self._arrays is None:
             plain = replace(self.fmt, tiled=False) if self.fmt else self.fmt
-            loaded = [{"weight": self.tensors.load_raw16(p)} if self.float_type != "F32" else
-                      self.tensors.load_as(p, plain) for p in self.parts]
-            self._arrays = {k: _rows_of([a[k] for a in loaded]) for k in loaded[0]}
-            if self.fmt is not None and self.fmt.codebook:  # the table the codes stand for, once per weight
-                self._arrays[CODEBOOK] = np.array(IQ4_VALUES, dtype=np.int8)
-            if self.fmt is not None and self.fmt.tiled:
-                self._arrays = {k: v.numpy() for k, v in
-                                tile({k: torch.from_numpy(v) for k, v in self._arrays.items()}, self.fmt.bits).items()}
+            if self.fmt is not None and self.fmt.tiled and self.fmt.bits != 16 and \
+                    all(self.tensors.shape(p)[0] % TILE_ROWS == 0 for p in self.parts):
+                # a tile holds 8 rows of one part, so the tiles of the parts one after the other are those
+                # of the fused weight: tiled part by part, nothing is copied to stack them
+                tiled = [self._tiled(self.tensors.load_as(p, plain)) for p in self.parts]
+                self._arrays = {k: tiled[0][k] if k == CODEBOOK else [t[k] for t in tiled] for k in tiled[0]}
+            else:
+                loaded = [{"weight": self.tensors.load_raw16(p)} if self.float_type != "F32" else
+                          self.tensors.load_as(p, plain) for p in self.parts]
+                arrays = {k: _rows_of([a[k] for a in loaded]) for k in loaded[0]}
+                self._arrays = self._tiled(arrays) if self.fmt is not None and self.fmt.tiled else arrays
         return self._arrays.pop(suffix)  # each array is written once; memory is freed as we go
+
+    def _tiled(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.fmt.codebook:  # the table the codes stand for, once per weight
+            arrays[CODEBOOK] = np.array(IQ4_VALUES, dtype=np.int8)
+        return {k: v.numpy() for k, v in tile({k: torch.from_numpy(v) for k, v in arrays.items()}, self.fmt.bits).items()}
 
 
 def _rows_of(parts: list[np.ndarray]) -> np.ndarray:
@@ -513,6 +521,11 @@ def _check_all_tensors_used(tensors: _Tensors, groups: list[tuple[str, list[str]
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U8": np.uint8, "I8": np.int8}  # BF16: bits
 
 
+def _write_pieces(f, pieces: list[np.ndarray]) -> None:
+    for p in pieces:
+        f.write(p.reshape(-1).view(np.uint8))
+
+
 def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
     """Stream tensors into a safetensors file: header first, then each tensor in turn."""
     header: dict[str, Any] = {"__metadata__": metadata}
@@ -535,12 +548,15 @@ def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
             writing = None
             for name, dtype, shape, produce in plan:
                 progress.advance()
-                values = np.ascontiguousarray(produce(), dtype=_NUMPY_DTYPES[dtype])
-                if values.shape != tuple(shape):
-                    raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {values.shape}")
+                produced = produce()
+                pieces = [np.ascontiguousarray(p, dtype=_NUMPY_DTYPES[dtype])
+                          for p in (produced if isinstance(produced, list) else [produced])]
+                got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
+                if got != tuple(shape) or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
+                    raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {[p.shape for p in pieces]}")
                 if writing is not None:
                     writing.result()
-                writing = writer.submit(f.write, values.reshape(-1).view(np.uint8))
+                writing = writer.submit(_write_pieces, f, pieces)
             if writing is not None:
                 writing.result()
     return offset

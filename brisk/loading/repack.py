@@ -58,3 +58,17 @@ def k4_scales(blocks: np.ndarray, compiled: bool = True) -> tuple[np.ndarray, np
     d, dmin, sub = np.empty(n, np.float16), np.empty(n, np.float16), np.empty((n, 8, 2), np.uint8)
     lib.brisk_k4_scales(blocks.ctypes.data, blocks.shape[1], n, d.ctypes.data, dmin.ctypes.data, sub.ctypes.data)
     return d, dmin, sub
+
+
+def split_blocks(blocks: np.ndarray, block_bytes: int, head_bytes: int, compiled: bool = True
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of `block_bytes` (Q4_0, Q4_1, Q8_0, IQ4_NL) -> their first `head_bytes` (the scales) [n, head_bytes]
+    and the rest (the weights, GGUF's order kept) [n, block_bytes - head_bytes]."""
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, block_bytes)
+    lib = _compiled() if compiled else None
+    if lib is None:
+        return np.ascontiguousarray(blocks[:, :head_bytes]), np.ascontiguousarray(blocks[:, head_bytes:])
+    n = blocks.shape[0]
+    head, payload = np.empty((n, head_bytes), np.uint8), np.empty((n, block_bytes - head_bytes), np.uint8)
+    lib.brisk_split_blocks(blocks.ctypes.data, block_bytes, head_bytes, n, head.ctypes.data, payload.ctypes.data)
+    return head, payload
