@@ -15,6 +15,8 @@ Type BF16: llama-server serves the BF16 GGUF; brisk serves the same weights as a
 bfloat16 safetensors directory (`bf16_checkpoint`), the form most checkpoints come in: `brisk`
 keeps them bfloat16 (`--quantization auto`), `brisk-f32` casts them to float32 (`--dtype float32`,
 brisk's only CPU behaviour before), and `brisk-gguf` serves the BF16 GGUF itself (kept bfloat16 too).
+`brisk-kv-D` is brisk with `--kv-cache-dtype D` (e.g. bfloat16: the bytes a token of llama-server's default
+f16 KV cache takes; brisk's `auto` is float32 on a CPU without AVX-512 BF16).
 
 llama-server is the native build with `--parallel` slots and continuous batching, from the
 llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
@@ -23,7 +25,7 @@ llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
         -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2
 
     .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
-        [--work DIR] [--types Q4_0,Q8_0,BF16,Q4_K_M,demo] [--systems brisk,brisk-gguf,brisk-f32,llama-server]
+        [--work DIR] [--types Q4_0,Q8_0,BF16,Q4_K_M,demo] [--systems brisk,brisk-gguf,brisk-f32,brisk-kv-bfloat16,llama-server]
         [--concurrency 1,16,64] [--long-prompt 1000] [--shape tinyllama|mistral7b] [--llama-quantize PATH]
 """
 
@@ -114,9 +116,10 @@ def command(system: str, gguf: Path, port: int, args) -> list[str]:
     levels = [int(c) for c in args.concurrency.split(",")]
     if system.startswith("brisk"):  # brisk, brisk-gguf, or brisk-f32 (--dtype float32: a float checkpoint cast)
         source = bf16_checkpoint(gguf, args.work) if gguf.stem.endswith("-BF16") and system != "brisk-gguf" else gguf
+        kv = ["--kv-cache-dtype", system.removeprefix("brisk-kv-")] if system.startswith("brisk-kv-") else []
         return [sys.executable, "-m", "brisk", "serve", str(source), "--port", str(port), "--served-model-name",
                 MODEL_ID, "--max-model-len", "2048", "--max-num-seqs", str(max(levels))] + \
-            (["--dtype", "float32"] if system == "brisk-f32" else [])
+            (["--dtype", "float32"] if system == "brisk-f32" else []) + kv
     slots = max(levels)
     return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_ID,
             "--parallel", str(slots), "-c", str(slots * max(SLOT_CONTEXT, args.long_prompt + 64)),
