@@ -551,8 +551,8 @@ def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
                 produced = produce()
                 pieces = [np.ascontiguousarray(p, dtype=_NUMPY_DTYPES[dtype])
                           for p in (produced if isinstance(produced, list) else [produced])]
-                got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
-                if got != tuple(shape) or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
+                got = pieces[0].shape if len(pieces) == 1 else (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
+                if got != tuple(shape) or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces[1:]):
                     raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {[p.shape for p in pieces]}")
                 if writing is not None:
                     writing.result()
