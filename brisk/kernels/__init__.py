@@ -259,9 +259,10 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def _tile_words(rows: torch.Tensor, nb: int, words: int, compiled: bool) -> torch.Tensor:
     """Rows [N, nb blocks of `words` 4-byte words] -> [N/8, nb, 32 * words]: per tile and block, word v of its 8
-    rows side by side, v by v (repack.cpp's `brisk_tile_words` when the kernels are built and `compiled`)."""
+    rows side by side, v by v (repack.cpp's `brisk_tile_words` for CPU tensors when the kernels are built and
+    `compiled`)."""
     n = rows.shape[0]
-    lib = library() if compiled else None
+    lib = library() if compiled and rows.device.type == "cpu" else None
     if lib is None:
         w = _words(rows).view(n // TILE_ROWS, TILE_ROWS, nb, words)  # [tile, row, block, v]
         return w.permute(0, 2, 3, 1).contiguous().view(rows.dtype).view(n // TILE_ROWS, nb, 32 * words)
@@ -459,7 +460,7 @@ def tile_values(q: torch.Tensor, bits: int, compiled: bool = True) -> torch.Tens
     """Values [N, K] (uint8, one a byte) -> the tiled int2/int3/int5/int6 layout (`tile_int2` .. `tile_int6`):
     repack.cpp's `brisk_tile_values` when the kernels are built (tests/test_repack.py holds it to those
     functions, byte for byte), else they."""
-    lib = library() if compiled else None
+    lib = library() if compiled and q.device.type == "cpu" else None
     if lib is None:
         return {2: tile_int2, 3: tile_int3, 5: tile_int5, 6: tile_int6}[bits](q)
     n, k = q.shape
