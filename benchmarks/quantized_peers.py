@@ -25,7 +25,8 @@ llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
         -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2
 
     .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
-        [--work DIR] [--types Q4_0,Q8_0,BF16,Q4_K_M,demo] [--systems brisk,brisk-gguf,brisk-f32,brisk-kv-bfloat16,llama-server]
+        [--work DIR] [--types Q4_0,Q8_0,BF16,Q4_K_M,demo]
+        [--systems brisk,brisk-gguf,brisk-f32,brisk-kv-bfloat16,llama-server]
         [--concurrency 1,16,64] [--long-prompt 1000] [--shape tinyllama|mistral7b] [--llama-quantize PATH]
 """
 

@@ -108,8 +108,8 @@ def _converted_digest(path, out) -> str:
 @compiled
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q2_K_mix", "Q3_K_M", "Q4_1", "Q8_0", "IQ4_NL"])
 def test_conversion_writes_the_same_bytes_without_the_compiled_repack(tmp_path, monkeypatch, mix):
-    """Every K-quant type (Q2_K-Q6_K) and the blocks of 32 through a whole conversion, once with repack.cpp and once with the
-    numpy/torch functions alone: the same checkpoint, byte for byte. A 132-token vocabulary leaves the
+    """Every K-quant type (Q2_K-Q6_K) and the blocks of 32 through a whole conversion, once with repack.cpp and
+    once with the numpy/torch functions alone: the same checkpoint, byte for byte. A 132-token vocabulary leaves the
     embeddings' rows out of whole tiles (their other path)."""
     shape = Shape(hidden=256, layers=1, ffn=512, heads=4, kv_heads=2)
     path = write_random_gguf(tmp_path / f"{mix}.gguf", shape, mix, None, small_vocab=132)

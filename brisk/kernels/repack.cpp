@@ -69,14 +69,16 @@ void q2_k_values(const uint8_t* b, uint8_t* out) {
     const uint8_t* qs = b + 16;  // element 128h + 32j + l: the 2 bits at 2j of qs[32h + l]
     for (int h = 0; h < 2; h++)
         for (int j = 0; j < 4; j++)
-            for (int l = 0; l < 32; l += 4) store32(out + 128 * h + 32 * j + l, (load32(qs + 32 * h + l) >> (2 * j)) & LOW2);
+            for (int l = 0; l < 32; l += 4)
+                store32(out + 128 * h + 32 * j + l, (load32(qs + 32 * h + l) >> (2 * j)) & LOW2);
 }
 
 // A tile's block of 32 weights for one of its rows j (w: the row's 32 values, one a byte) into the
 // tile layouts of quant_matmul.cpp (brisk.kernels.tile_int*): W(i) is the word of weights 4i .. 4i + 3.
 // low nibbles (int4's 128 bytes, also the first of int5/int6): byte 32v + 4j + e = w[4v + e] | w[16 + 4v + e] << 4
 inline void low_nibbles(const uint8_t* w, int64_t j, uint8_t* dst) {
-    for (int v = 0; v < 4; v++) store32(dst + 32 * v + 4 * j, (load32(w + 4 * v) & LOW4) | ((load32(w + 16 + 4 * v) & LOW4) << 4));
+    for (int v = 0; v < 4; v++)
+        store32(dst + 32 * v + 4 * j, (load32(w + 4 * v) & LOW4) | ((load32(w + 16 + 4 * v) & LOW4) << 4));
 }
 // one bit per weight (int5's bit 4, int3's bit 2 at `shift`): byte 4j + e, bit u = weight 4u + e
 inline void bit_plane(const uint8_t* w, int64_t j, int shift, uint8_t* dst) {
@@ -84,7 +86,8 @@ inline void bit_plane(const uint8_t* w, int64_t j, int shift, uint8_t* dst) {
     for (int u = 0; u < 8; u++) word |= ((load32(w + 4 * u) >> shift) & BIT0) << u;
     store32(dst + 4 * j, word);
 }
-// two bits per weight (int2's and int3's low bits, int6's top at `shift`): byte 32k + 4j + e, bits 2v = weight 16k + 4v + e
+// two bits per weight (int2's and int3's low bits, int6's top at `shift`): byte 32k + 4j + e, bits 2v =
+// weight 16k + 4v + e
 inline void two_bit_planes(const uint8_t* w, int64_t j, int shift, uint8_t* dst) {
     for (int k = 0; k < 2; k++) {
         uint32_t word = 0;

@@ -409,7 +409,8 @@ class _Group:
     def _tiled(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fmt.codebook:  # the table the codes stand for, once per weight
             arrays[CODEBOOK] = np.array(IQ4_VALUES, dtype=np.int8)
-        return {k: v.numpy() for k, v in tile({k: torch.from_numpy(v) for k, v in arrays.items()}, self.fmt.bits).items()}
+        tiled = tile({k: torch.from_numpy(v) for k, v in arrays.items()}, self.fmt.bits)
+        return {k: v.numpy() for k, v in tiled.items()}
 
 
 def _rows_of(parts: list[np.ndarray]) -> np.ndarray:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from brisk import kernels
-from brisk.loading.dequant import (Q2_K_BYTES, Q3_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k_scale_codes, nibbles_64_as_32s,
-                                   q2_k_parts, q3_k_parts, q5_k_values, q6_k_parts)
+from brisk.loading.dequant import (Q2_K_BYTES, Q3_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, k_scale_codes,
+                                   nibbles_64_as_32s, q2_k_parts, q3_k_parts, q5_k_values, q6_k_parts)
 
 # GGUF K-quant type, by its bits -> (bytes a super-block, numpy values of [n, bytes] blocks -> [n, 256])
 _VALUES = {6: (Q6_K_BYTES, lambda b: q6_k_parts(b)[0]), 5: (Q5_K_BYTES, lambda b: q5_k_values(b).reshape(-1, QK_K)),

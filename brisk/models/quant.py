@@ -313,8 +313,8 @@ def tile(blocks: dict[str, torch.Tensor], bits: int | None = None) -> dict[str, 
         if sub.dtype == torch.int8:
             qweight = kernels.tile_values(q, 3 if bits == 3 else 6)
         else:
-            qweight = (kernels.tile_values(q, 2) if bits == 2 else kernels.tile_values(q, 5) if q.shape[1] == sub.shape[1] * QK
-                       else kernels.tile_int4(q, None, None)[0])
+            values = bits == 2 or q.shape[1] == sub.shape[1] * QK  # one a byte (int2, int5), else int4's nibbles
+            qweight = kernels.tile_values(q, 2 if bits == 2 else 5) if values else kernels.tile_int4(q, None, None)[0]
         scales, mins, sub = kernels.tile_superblocks(blocks["scales"], blocks.get("mins"), blocks["subscales"])
         return {"qweight": qweight, "scales": scales, "subscales": sub, **({"mins": mins} if mins is not None else {})}
     tile_blocks = kernels.tile_int4 if blocks["qweight"].dtype == torch.uint8 else kernels.tile_int8
