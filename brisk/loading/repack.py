@@ -16,15 +16,11 @@ _VALUES = {6: (Q6_K_BYTES, lambda b: q6_k_parts(b)[0]), 5: (Q5_K_BYTES, lambda b
            3: (Q3_K_BYTES, lambda b: q3_k_parts(b)[0]), 2: (Q2_K_BYTES, lambda b: q2_k_parts(b)[0])}
 
 
-def _compiled():
-    return kernels.library()
-
-
 def k_quant_values(blocks: np.ndarray, bits: int, compiled: bool = True) -> np.ndarray:
     """Q6_K/Q5_K/Q3_K/Q2_K super-blocks (by `bits`) [n, bytes] -> their values [n, 256] uint8, element order."""
     size, reference = _VALUES[bits]
     blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, size)
-    lib = _compiled() if compiled else None
+    lib = kernels.library() if compiled else None
     if lib is None:
         return reference(blocks)
     out = np.empty((blocks.shape[0], QK_K), dtype=np.uint8)
@@ -37,7 +33,7 @@ def k4_codes(blocks: np.ndarray, qs_offset: int, compiled: bool = True) -> np.nd
     """Q4_K super-blocks [n, 144] (their 128 bytes of nibbles at `qs_offset`) -> [n, 8, 16]: each block of 32
     in Q4_0's nibble order (`nibbles_64_as_32s`)."""
     blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
-    lib = _compiled() if compiled else None
+    lib = kernels.library() if compiled else None
     if lib is None:
         return nibbles_64_as_32s(blocks[:, qs_offset:qs_offset + QK_K // 2])
     out = np.empty((blocks.shape[0], 8, 16), dtype=np.uint8)
@@ -49,7 +45,7 @@ def k4_scales(blocks: np.ndarray, compiled: bool = True) -> tuple[np.ndarray, np
     """Q4_K/Q5_K super-blocks [n, bytes] -> their scales as stored: d [n] and dmin [n] float16 and each block's
     6-bit sc and mn, uint8 [n, 8, 2]."""
     blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
-    lib = _compiled() if compiled else None
+    lib = kernels.library() if compiled else None
     if lib is None:
         sc, mn = k_scale_codes(blocks[:, 4:16])
         return (blocks[:, 0:2].copy().view(np.float16)[:, 0], blocks[:, 2:4].copy().view(np.float16)[:, 0],
@@ -65,7 +61,7 @@ def split_blocks(blocks: np.ndarray, block_bytes: int, head_bytes: int, compiled
     """Blocks of `block_bytes` (Q4_0, Q4_1, Q8_0, IQ4_NL) -> their first `head_bytes` (the scales) [n, head_bytes]
     and the rest (the weights, GGUF's order kept) [n, block_bytes - head_bytes]."""
     blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, block_bytes)
-    lib = _compiled() if compiled else None
+    lib = kernels.library() if compiled else None
     if lib is None:
         return np.ascontiguousarray(blocks[:, :head_bytes]), np.ascontiguousarray(blocks[:, head_bytes:])
     n = blocks.shape[0]
