@@ -12,11 +12,11 @@
 // GQA: query head h reads kv head h / (num_heads / num_kv_heads), as SDPA's enable_gqa does.
 //
 // Work is split into items (row, part of its context): an item walks its positions in chunks of
-// up to CHUNK positions (8-bit types: across blocks, 4 blocks at brisk's default block size of 8;
-// wider types: within one block, ACROSS_BLOCKS), reads each slot's K/V for all heads together (one
-// contiguous span of memory), and keeps an online softmax per query head (running max m, sum l,
-// weighted V sum); the parts of a row are then merged ("flash decoding"). Splitting the context
-// keeps every core busy when few rows are long.
+// up to CHUNK positions (CHUNK_SPAN: 8-bit types 32 across blocks, 4 blocks at brisk's default
+// block size of 8; 16-bit types 16; float32 within one block), reads each slot's K/V for all heads
+// together (one contiguous span of memory), and keeps an online softmax per query head (running max
+// m, sum l, weighted V sum); the parts of a row are then merged ("flash decoding"). Splitting the
+// context keeps every core busy when few rows are long.
 //
 // Narrow elements are widened to float32 in registers as they are loaded (no dequantized copy);
 // an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements. The
@@ -45,7 +45,7 @@
 
 namespace {
 
-constexpr int CHUNK = 32;      // positions scored at once (ACROSS_BLOCKS: from one block or several)
+constexpr int CHUNK = 32;      // positions scored at once at most (CHUNK_SPAN: from one block or several)
 constexpr int MAX_HEADS = 128;  // query heads
 constexpr int MAX_DIM = 256;
 
@@ -223,22 +223,27 @@ struct NextChunkPrefetch {
     inline void v_step() { advance(v, v_done, v_run, v_line, std::min(lines, v_done + v_per)); }
 };
 
-// Whether a chunk of KV type KV spans blocks (up to CHUNK positions) or ends with its block. The
-// 8-bit types' chunks span blocks: their softmax and accumulator passes cost more than their reads
-// (int8 and fp8 1.15-1.25x faster across blocks and with paired heads, decode_attention.py
-// --baseline-lib on AVX2); a wider type's chunk stays in its block (bfloat16 took ~10% longer with
-// chunks of 4 blocks at block size 8: 32 positions of K and V ahead no longer fit L1 beside the
-// current ones). Always the in-place type's rule, so a staged tile takes the chunks a lone row takes.
+// How many positions a chunk of KV type KV spans across blocks (0: a chunk ends with its block).
+// The 8-bit types' chunks span 32 positions: their softmax and accumulator passes cost more than their
+// reads (int8 and fp8 1.15-1.25x faster across blocks and with paired heads, decode_attention.py
+// --baseline-lib on AVX2). The 16-bit types' span 16: their per-chunk softmax (a scalar exp per head)
+// and accumulator passes, paid per 8-slot block, were a fifth of their time in cache (bfloat16
+// 1.16-1.20x, float16 1.13-1.36x faster on AVX2, decoding in and out of cache; prompt tiles ~1.3x;
+// at 32 bfloat16 took ~10% longer on scattered blocks: 32 positions of K and V ahead no longer fit L1
+// beside the current ones). float32's stay in their block: at 16 it gained in cache (1.17x) and lost
+// out of it (0.9-0.96x), where its decode is bound by reading it. Always the in-place type's rule, so
+// a staged tile takes the chunks a lone row takes.
 template <typename KV>
-constexpr bool ACROSS_BLOCKS = sizeof(KV) == 1;
+constexpr int64_t CHUNK_SPAN = sizeof(KV) == 1 ? 32 : sizeof(KV) == 2 ? 16 : 0;
+static_assert(CHUNK_SPAN<int8_t> <= CHUNK && CHUNK_SPAN<kvt::bf16_t> <= CHUNK, "a chunk holds at most CHUNK positions");
 
-// A row's chunk from position pos: up to CHUNK positions before `end` (and, unless `across`, before
-// its block's end), their slots in `slots`. The chunks depend on the row's positions only (never on
-// the batch or on how the row is processed).
-inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int64_t end, bool across,
+// A row's chunk from position pos: up to `span` positions (0: to its block's end) before `end`,
+// their slots in `slots`. The chunks depend on the row's positions only (never on the batch or on
+// how the row is processed).
+inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int64_t end, int64_t span,
                            int64_t* slots) {
     const int64_t bs = a.block_size;
-    const int64_t n = std::min<int64_t>({CHUNK, end - pos, across ? CHUNK : bs - pos % bs});
+    const int64_t n = std::min<int64_t>({CHUNK, end - pos, span > 0 ? span : bs - pos % bs});
     int64_t block = pos / bs, off = pos % bs;  // one division per chunk, none per position
     int64_t base = (int64_t)table[block] * bs;
     for (int64_t t = 0; t < n; t++) {
@@ -258,7 +263,7 @@ NextChunkPrefetch::NextChunkPrefetch(const Args& a, const int32_t* table, int64_
     if (next < end) {
         k = reinterpret_cast<const char*>(kc);
         v = reinterpret_cast<const char*>(vc);
-        const int64_t n = chunk_slots(a, table, next, end, ACROSS_BLOCKS<KV>, slots);
+        const int64_t n = chunk_slots(a, table, next, end, CHUNK_SPAN<KV>, slots);
         for (int64_t t0 = 0, runs = 0; t0 < n; runs++) {
             int64_t t = t0 + 1;
             while (t < n && slots[t] == slots[t - 1] + 1) t++;
@@ -782,7 +787,7 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
             if (pos[r] >= end[r]) continue;
             active = true;
             int64_t slots[CHUNK];
-            const int64_t n = chunk_slots(a, table, pos[r], end[r], ACROSS_BLOCKS<KV>, slots);
+            const int64_t n = chunk_slots(a, table, pos[r], end[r], CHUNK_SPAN<KV>, slots);
             float* acc = state[r];
             if (r == 0) {
                 NextChunkPrefetch prefetch(a, table, pos[r] + n, end[r], kc, vc, H * ((n + 7) / 8));
@@ -902,7 +907,7 @@ void staged_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* star
             if (pos[r] >= end[r]) continue;
             active = true;
             int64_t slots[CHUNK];
-            const int64_t n = chunk_slots(a, table, pos[r], end[r], ACROSS_BLOCKS<KV>, slots);  // tile_item's chunks
+            const int64_t n = chunk_slots(a, table, pos[r], end[r], CHUNK_SPAN<KV>, slots);  // tile_item's chunks
             if (run.generation != generation || run.table != table || run.pos != pos[r] || run.n < n) {
                 stage_run<KV, W, Widen>(a, slots, n, run);
                 run.generation = generation;
