@@ -226,16 +226,18 @@ struct NextChunkPrefetch {
 // How many positions a chunk of KV type KV spans across blocks (0: a chunk ends with its block).
 // The 8-bit types' chunks span 32 positions: their softmax and accumulator passes cost more than their
 // reads (int8 and fp8 1.15-1.25x faster across blocks and with paired heads, decode_attention.py
-// --baseline-lib on AVX2). The 16-bit types' span 16: their per-chunk softmax (a scalar exp per head)
-// and accumulator passes, paid per 8-slot block, were a fifth of their time in cache (bfloat16
-// 1.16-1.20x, float16 1.13-1.36x faster on AVX2, decoding in and out of cache; prompt tiles ~1.3x;
-// at 32 bfloat16 took ~10% longer on scattered blocks: 32 positions of K and V ahead no longer fit L1
-// beside the current ones). float32's stay in their block: at 16 it gained in cache (1.17x) and lost
-// out of it (0.9-0.96x), where its decode is bound by reading it. Always the in-place type's rule, so
-// a staged tile takes the chunks a lone row takes.
+// --baseline-lib on AVX2). The 16-bit types' span 16: they paid the per-chunk work (a scalar exp per
+// head for the rescale, the running max and sum, a load and store of the V sums) per 8-slot block;
+// at 16 (AVX2) bfloat16 ran 1.15-1.20x and float16 1.10-1.26x faster in cache, 1.03-1.19x on
+// scattered decode rows and 1.19-1.35x on prompt tiles; at 32 bfloat16 took ~10% longer on scattered
+// blocks (32 positions of K and V ahead no longer fit L1 beside the current ones). float32's stay in
+// their block: at 16 it gained in cache (1.17x) and lost out of it (0.90-0.96x), where its decode is
+// bound by reading it. Always the in-place type's rule, so a staged tile takes the chunks a lone row
+// takes.
 template <typename KV>
 constexpr int64_t CHUNK_SPAN = sizeof(KV) == 1 ? 32 : sizeof(KV) == 2 ? 16 : 0;
-static_assert(CHUNK_SPAN<int8_t> <= CHUNK && CHUNK_SPAN<kvt::bf16_t> <= CHUNK, "a chunk holds at most CHUNK positions");
+static_assert(CHUNK_SPAN<int8_t> <= CHUNK && CHUNK_SPAN<kvt::bf16_t> <= CHUNK,
+              "a chunk holds at most CHUNK positions");
 
 // A row's chunk from position pos: up to `span` positions (0: to its block's end) before `end`,
 // their slots in `slots`. The chunks depend on the row's positions only (never on the batch or on
