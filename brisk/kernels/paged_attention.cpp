@@ -12,11 +12,11 @@
 // GQA: query head h reads kv head h / (num_heads / num_kv_heads), as SDPA's enable_gqa does.
 //
 // Work is split into items (row, part of its context): an item walks its positions in chunks of
-// up to CHUNK positions (CHUNK_SPAN: 8-bit types 32 across blocks, 4 blocks at brisk's default
-// block size of 8; 16-bit types 16; float32 within one block), reads each slot's K/V for all heads
-// together (one contiguous span of memory), and keeps an online softmax per query head (running max
-// m, sum l, weighted V sum); the parts of a row are then merged ("flash decoding"). Splitting the
-// context keeps every core busy when few rows are long.
+// up to CHUNK positions across blocks (CHUNK_SPAN: 8-bit types 32, 4 blocks at brisk's default
+// block size of 8; the wider types 16, or a block's size if more), reads each slot's K/V for all
+// heads together (one contiguous span of memory), and keeps an online softmax per query head
+// (running max m, sum l, weighted V sum); the parts of a row are then merged ("flash decoding").
+// Splitting the context keeps every core busy when few rows are long.
 //
 // Narrow elements are widened to float32 in registers as they are loaded (no dequantized copy);
 // an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements. The
@@ -223,29 +223,27 @@ struct NextChunkPrefetch {
     inline void v_step() { advance(v, v_done, v_run, v_line, std::min(lines, v_done + v_per)); }
 };
 
-// How many positions a chunk of KV type KV spans across blocks (0: a chunk ends with its block).
-// The 8-bit types' chunks span 32 positions: their softmax and accumulator passes cost more than their
-// reads (int8 and fp8 1.15-1.25x faster across blocks and with paired heads, decode_attention.py
-// --baseline-lib on AVX2). The 16-bit types' span 16: they paid the per-chunk work (a scalar exp per
-// head for the rescale, the running max and sum, a load and store of the V sums) per 8-slot block;
-// at 16 (AVX2) bfloat16 ran 1.15-1.20x and float16 1.10-1.26x faster in cache, 1.03-1.19x on
-// scattered decode rows and 1.19-1.35x on prompt tiles; at 32 bfloat16 took ~10% longer on scattered
-// blocks (32 positions of K and V ahead no longer fit L1 beside the current ones). float32's stay in
-// their block: at 16 it gained in cache (1.17x) and lost out of it (0.90-0.96x), where its decode is
-// bound by reading it. Always the in-place type's rule, so a staged tile takes the chunks a lone row
-// takes.
+// How many positions a chunk of KV type KV spans across blocks. The 8-bit types' chunks span 32
+// positions: their softmax and accumulator passes cost more than their reads (int8 and fp8
+// 1.15-1.25x faster across blocks and with paired heads, decode_attention.py --baseline-lib on AVX2).
+// The wider types' span 16: they paid the per-chunk work (a scalar exp per head for the rescale, the
+// running max and sum, a load and store of the V sums) per 8-slot block; at 16 (AVX2) bfloat16 ran
+// 1.15-1.20x and float16 1.10-1.26x faster in cache, 1.03-1.19x on scattered decode rows and
+// 1.19-1.35x on prompt tiles, and float32 1.02-1.07x in cache, 1.03-1.05x on decode rows and 1.31x on
+// prompt tiles. At 32 bfloat16 took ~10% longer on scattered blocks (32 positions of K and V ahead no
+// longer fit L1 beside the current ones). Always the in-place type's rule, so a staged tile takes the
+// chunks a lone row takes.
 template <typename KV>
-constexpr int64_t CHUNK_SPAN = sizeof(KV) == 1 ? 32 : sizeof(KV) == 2 ? 16 : 0;
-static_assert(CHUNK_SPAN<int8_t> <= CHUNK && CHUNK_SPAN<kvt::bf16_t> <= CHUNK,
-              "a chunk holds at most CHUNK positions");
+constexpr int64_t CHUNK_SPAN = sizeof(KV) == 1 ? 32 : 16;
+static_assert(CHUNK_SPAN<int8_t> <= CHUNK && CHUNK_SPAN<float> <= CHUNK, "a chunk holds at most CHUNK positions");
 
-// A row's chunk from position pos: up to `span` positions (0: to its block's end) before `end`,
-// their slots in `slots`. The chunks depend on the row's positions only (never on the batch or on
+// A row's chunk from position pos: up to `span` positions (or a block's, if more; at most CHUNK)
+// before `end`, across blocks, their slots in `slots`. The chunks depend on the row's positions only (never on the batch or on
 // how the row is processed).
 inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int64_t end, int64_t span,
                            int64_t* slots) {
     const int64_t bs = a.block_size;
-    const int64_t n = std::min<int64_t>({CHUNK, end - pos, span > 0 ? span : bs - pos % bs});
+    const int64_t n = std::min<int64_t>({CHUNK, end - pos, std::max(span, bs)});
     int64_t block = pos / bs, off = pos % bs;  // one division per chunk, none per position
     int64_t base = (int64_t)table[block] * bs;
     for (int64_t t = 0; t < n; t++) {
