@@ -238,8 +238,8 @@ constexpr int64_t CHUNK_SPAN = sizeof(KV) == 1 ? 32 : 16;
 static_assert(CHUNK_SPAN<int8_t> <= CHUNK && CHUNK_SPAN<float> <= CHUNK, "a chunk holds at most CHUNK positions");
 
 // A row's chunk from position pos: up to `span` positions (or a block's, if more; at most CHUNK)
-// before `end`, across blocks, their slots in `slots`. The chunks depend on the row's positions only (never on the batch or on
-// how the row is processed).
+// before `end`, across blocks, their slots in `slots`. The chunks depend on the row's positions only
+// (never on the batch or on how the row is processed).
 inline int64_t chunk_slots(const Args& a, const int32_t* table, int64_t pos, int64_t end, int64_t span,
                            int64_t* slots) {
     const int64_t bs = a.block_size;
