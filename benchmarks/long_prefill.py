@@ -3,8 +3,8 @@
 
 For each --kv-dtype, one engine (the demo model unless --model, prefix caching off) takes --streams
 requests of unique ~--context-token prompts at once and runs until each has its first token; only
-that is timed. --rounds rounds, each starting one configuration later; each round uses fresh prompts
-(no two prompts share a block). --baseline-lib: every engine also runs each round with another
+that is timed. --rounds rounds, each starting one configuration later; each round gives every
+configuration the same fresh prompts (prefix caching is off: nothing is reused). --baseline-lib: every engine also runs each round with another
 build of brisk's kernels (a kernel change against the build before it), on the same engine.
 Prints each configuration's median prompt tok/s and, with a baseline, the median of the rounds'
 ratios.
@@ -65,16 +65,19 @@ def main() -> None:
     bandwidth, how = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s ({how}); {args.streams} prompts of ~{args.context} tokens a run",
           flush=True)
-    engines = {dt: LLM(args.model, kv_cache_dtype=dt, max_model_len=4096, enable_prefix_caching=False,
-                       max_num_seqs=args.streams, max_num_batched_tokens=2048) for dt in dtypes}
+    block_size, max_len = 8, int(args.context * 1.2) + 64  # a prompt, with room to spare
+    num_blocks = args.streams * -(-max_len // block_size)
+    engines = {dt: LLM(args.model, kv_cache_dtype=dt, max_model_len=max_len, enable_prefix_caching=False,
+                       max_num_seqs=args.streams, max_num_batched_tokens=2048, num_blocks=num_blocks,
+                       block_size=block_size) for dt in dtypes}
     rng = random.Random(0)
     rates: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(args.rounds):
+        prompts = [f"Summarize this text:\n{text(int(args.context * 0.98), rng)}" for _ in range(args.streams)]
         for i in range(len(runs)):
             (dt, suffix), label = runs[(r + i) % len(runs)], labels[(r + i) % len(runs)]
             if builds[suffix] is not None:
                 kernels._lib = builds[suffix]  # the build every kernel call of the steps goes to
-            prompts = [f"Summarize this text:\n{text(int(args.context * 0.98), rng)}" for _ in range(args.streams)]
             rates[label].append(prefill_rate(engines[dt], prompts))
         print(f"  round {r + 1}: " + ", ".join(f"{label} {rates[label][-1]:.0f}" for label in labels), flush=True)
     after, _ = read_bandwidth_gbs()
