@@ -64,6 +64,27 @@ def timed_steps(llm, steps: int, streams: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
+def print_rates(rates: dict[str, list[float]], labels: list[str], first: str, measure: str, baseline: bool,
+                digits: int) -> None:
+    """The rounds' rates as a Markdown table: each label's median, range and ratio to the first label's;
+    with `baseline` (labels "X" and "X baseline": two builds on one configuration), the median and range
+    of each round's X / X baseline ratio too."""
+    base = statistics.median(rates[labels[0]])
+    print(f"| {first} | {measure} | min-max | vs {labels[0]} |"
+          + (" this build vs baseline (median of the rounds' ratios) |" if baseline else ""))
+    print("|---|---|---|---|" + ("---|" if baseline else ""))
+    for label in labels:
+        med = statistics.median(rates[label])
+        row = (f"| {label} | {med:.{digits}f} | {min(rates[label]):.{digits}f}-{max(rates[label]):.{digits}f} "
+               f"| {med / base:.2f}x |")
+        if baseline and not label.endswith(" baseline"):
+            ratios = [a / b for a, b in zip(rates[label], rates[label + " baseline"])]
+            row += f" {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        elif baseline:
+            row += " |"
+        print(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-dtype", default="float32,bfloat16,fp8,fp8_e5m2,int8")
@@ -106,21 +127,9 @@ def main() -> None:
             rates[label].append(timed_steps(engines[dt], args.steps, args.streams))
         print(f"  round {r + 1}: " + ", ".join(f"{label} {rates[label][-1]:.1f}" for label in labels), flush=True)
     after, _ = read_bandwidth_gbs()
-    base = statistics.median(rates[labels[0]])
     print(f"read bandwidth after {after:.1f} GB/s")
-    print(f"| KV dtype / block size | decode tok/s (median of {args.rounds} rounds x {args.steps} steps) | min-max | vs {labels[0]} |"
-          + (" this build vs baseline (median of the rounds' ratios) |" if args.baseline_lib else ""))
-    print("|---|---|---|---|" + ("---|" if args.baseline_lib else ""))
-    for label in labels:
-        med = statistics.median(rates[label])
-        row = f"| {label} | {med:.1f} | {min(rates[label]):.1f}-{max(rates[label]):.1f} | {med / base:.2f}x |"
-        if args.baseline_lib and not label.endswith(" baseline"):
-            ratios = [a / b for a, b in zip(rates[label], rates[label + " baseline"])]
-            row += f" {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
-        elif args.baseline_lib:
-            row += " |"
-        print(row)
-
+    print_rates(rates, labels, "KV dtype / block size",
+                f"decode tok/s (median of {args.rounds} rounds x {args.steps} steps)", args.baseline_lib is not None, 1)
 
 if __name__ == "__main__":
     main()

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from pathlib import Path
 
 from decode_speed import read_bandwidth_gbs
+from kv_decode import print_rates
 from long_context import text
 
 
@@ -82,20 +82,8 @@ def main() -> None:
         print(f"  round {r + 1}: " + ", ".join(f"{label} {rates[label][-1]:.0f}" for label in labels), flush=True)
     after, _ = read_bandwidth_gbs()
     print(f"read bandwidth after {after:.1f} GB/s")
-    base = statistics.median(rates[labels[0]])
-    print(f"| KV dtype | prompt tok/s (median of {args.rounds} rounds) | min-max | vs {labels[0]} |"
-          + (" this build vs baseline (median of the rounds' ratios) |" if args.baseline_lib else ""))
-    print("|---|---|---|---|" + ("---|" if args.baseline_lib else ""))
-    for label in labels:
-        med = statistics.median(rates[label])
-        row = f"| {label} | {med:.0f} | {min(rates[label]):.0f}-{max(rates[label]):.0f} | {med / base:.2f}x |"
-        if args.baseline_lib and not label.endswith(" baseline"):
-            ratios = [a / b for a, b in zip(rates[label], rates[label + " baseline"])]
-            row += f" {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
-        elif args.baseline_lib:
-            row += " |"
-        print(row)
-
+    print_rates(rates, labels, "KV dtype", f"prompt tok/s (median of {args.rounds} rounds)",
+                args.baseline_lib is not None, 0)
 
 if __name__ == "__main__":
     main()
