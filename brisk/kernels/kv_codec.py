@@ -30,7 +30,9 @@ def encode(x: torch.Tensor, kv: KVDtype) -> tuple[torch.Tensor, torch.Tensor | N
     scale = max |x| / 127 per row and q = round-half-even(x / scale)."""
     if kv.scaled:
         x = x.float()
-        scale = x.abs().amax(dim=-1) / 127
+        # divided by a tensor: CUDA divides by a Python number as a multiply by its reciprocal, an
+        # ulp off the quotient the compiled store (and torch on CPU) computes
+        scale = x.abs().amax(dim=-1) / torch.full((), 127.0, device=x.device)
         q = torch.where(scale[..., None] > 0, torch.round(x / scale[..., None]), torch.zeros((), dtype=x.dtype))
         return q.clamp(-127, 127).to(torch.int8), scale
     if kv.max_value is not None:
