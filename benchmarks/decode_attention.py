@@ -149,12 +149,13 @@ def main() -> None:
         for name, cache in caches.items():
             paths[(name, f"kernel {served} in place")] = kernel(cache, -1, 0)
             paths[(name, f"kernel {served} staged")] = kernel(cache, -1, 2)
+    bits = []  # printed after the table, where a `tail` of the output keeps them
     if args.baseline_lib:
         baseline = kernels._bind(Path(args.baseline_lib))
         for name, cache in caches.items():
             paths[(name, f"baseline {served}")] = kernel(cache, -1, build=baseline)
             same = torch.equal(paths[(name, f"kernel {served}")](), paths[(name, f"baseline {served}")]())
-            print(f"{name}: this build's output {'equals' if same else 'DIFFERS FROM'} the baseline's, bit for bit")
+            bits.append(f"{name}: this build's output {'equals' if same else 'DIFFERS FROM'} the baseline's, bit for bit")
     if best_isa > 2:
         paths[(first, "kernel avx2")] = kernel(caches[first], 2)
     if args.hugepages:
@@ -183,6 +184,8 @@ def main() -> None:
             speed = f"this {medians[(name, path)] / medians[(name, f'kernel {served}')]:.2f}x"
         print(f"  {name:9s} {path:26s} {kv_bytes(name) / 2**20:9.1f} {bound * 1e3:9.2f} {medians[(name, path)] * 1e3:10.2f} "
               f"{medians[(name, path)] / bound:7.2f}x {min(t) * 1e3:8.2f} {speed:>10s}")
+    for line in bits:
+        print(line)
 
 
 if __name__ == "__main__":
