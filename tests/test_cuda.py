@@ -4,9 +4,9 @@ over the stored values, a Llama checkpoint's logits and greedy tokens match HF t
 same GPU, and every KV dtype serves the same greedy tokens alone, with its prefix cached, and in a
 batch that preempts. Skipped without a GPU (CI has none, and `make test` installs the CPU torch).
 
-On a machine with a CUDA torch, run this module as it is, and the rest of the suite with the GPU
-hidden (`CUDA_VISIBLE_DEVICES= pytest ...`): the other modules test the CPU paths, and `--device
-auto` would pick the GPU. First run 2026-12-04 on an H200 (torch 2.11.0+cu130): 20 passed."""
+On a machine with a CUDA torch: `BRISK_TEST_CUDA=1 pytest tests/test_cuda.py`. Without that variable
+tests/conftest.py hides the GPUs (the other modules test the CPU paths, and `--device auto` would
+pick a GPU), and this module skips. First run 2026-12-04 on an H200 (torch 2.11.0+cu130): 20 passed."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from brisk.engine.attention import PagedKVCache, TorchPagedAttention, attention_
 from brisk.engine.model_runner import SeqSlice, build_batch
 from brisk.kv_dtype import DTYPES
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU, and BRISK_TEST_CUDA=1 (tests/conftest.py hides GPUs)")
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 VOCAB = 256
