@@ -131,5 +131,6 @@ def main() -> None:
     print_rates(rates, labels, "KV dtype / block size",
                 f"decode tok/s (median of {args.rounds} rounds x {args.steps} steps)", args.baseline_lib is not None, 1)
 
+
 if __name__ == "__main__":
     main()
