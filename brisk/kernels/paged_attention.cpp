@@ -736,8 +736,8 @@ AVX512 void score_group16(const float* qs, int64_t D, const KV* kh, const int64_
 }
 
 // One head's online softmax over the chunk's scores (n16 vectors; those past the chunk -inf): s
-// becomes the weights (then times vscale, int8's V scales, when given: after l summed them
-// unscaled), m and l move on; returns the old sums' rescale (0 on the first chunk, m = -inf).
+// becomes the weights (times vscale, int8's V scales, when given: l sums them unscaled), m and l
+// move on; returns the old sums' rescale (0 on the first chunk, m = -inf).
 AVX512 float softmax16(float* s, int64_t n16, float& m, float& l, const float* vscale) {
     __m512 mx16 = _mm512_set1_ps(m);
     for (int64_t c = 0; c < n16; c++) mx16 = _mm512_max_ps(mx16, _mm512_load_ps(s + 16 * c));
@@ -747,14 +747,11 @@ AVX512 float softmax16(float* s, int64_t n16, float& m, float& l, const float* v
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c = 0; c < n16; c++) {
         const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(s + 16 * c), mxv));
-        _mm512_store_ps(s + 16 * c, p);
+        _mm512_store_ps(s + 16 * c, vscale ? _mm512_mul_ps(p, _mm512_load_ps(vscale + 16 * c)) : p);
         sum = _mm512_add_ps(sum, p);
     }
     l = l * corr + _mm512_reduce_add_ps(sum);
     m = mx;
-    if (vscale)
-        for (int64_t c = 0; c < n16; c++)
-            _mm512_store_ps(s + 16 * c, _mm512_mul_ps(_mm512_load_ps(s + 16 * c), _mm512_load_ps(vscale + 16 * c)));
     return corr;
 }
 
