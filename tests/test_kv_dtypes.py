@@ -194,6 +194,23 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))
+@pytest.mark.parametrize("kv", [BFLOAT16, FP8_E4M3, INT8], ids=lambda d: d.name)
+@pytest.mark.parametrize("group", [5, 6, 7])
+def test_gqa_groups_of_more_than_four_heads(lib, isa, kv, group):
+    """The AVX2 loop takes a KV head's query heads four at a time and then the 3, 2 or 1 left (int8's
+    scores two at a time): GQA groups of 5, 6 and 7 (Qwen2.5-7B's 28/4) against float64 attention over
+    the stored values, each head's output in its own place."""
+    lib.brisk_paged_attention_force_isa(isa)
+    lib.brisk_paged_attention_staged(1)
+    bs = 8
+    cache, keys, values, q, tables, lens = ragged_case(kv, 2 * group, 2, 64, bs, [1, 9, 40, 333], group, 1)
+    want = float64_attention(scored_query(lib, q, 0.125, kv), keys, values, tables, lens, bs, 1.0)
+    out = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, 0.125, kv_dtype=kv,
+                                         scales=cache.scales(0))
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("isa", sorted(ISAS))
 @pytest.mark.parametrize("dim", [8, 40, 72])
 def test_int8_at_head_dims_not_a_multiple_of_16(lib, isa, dim):
     """AVX2's integer scores take 16 elements at a time: a head_dim that leaves 8 over (or is 8) reads

@@ -325,14 +325,20 @@ AVX2 __m256 hsum8x8(const __m256* d) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-// The scores of GS heads sharing one KV head (GS = 1: 8 tokens; GS = 2: 4 tokens each), as one
-// vector: lanes [head g0's tokens, head g0 + 1's]. Each K vector is widened once and multiplied
-// into every head's chain; a (head, token) score takes the same operations in the same order
-// whatever GS is (one FMA chain over head_dim, then hsum8x8's reduction, the same for every lane).
+// A score vector holds GS heads x TOKENS<GS> tokens (lane g * T + j: head g0 + g, token t0 + j):
+// one head 8 tokens, two 4, three or four 2 (three leave lanes 6 and 7 empty).
+template <int GS>
+constexpr int TOKENS = GS == 1 ? 8 : GS == 2 ? 4 : 2;
+
+// The scores of GS heads sharing one KV head, as one vector (TOKENS' lanes). Each K vector is
+// widened once and multiplied into every head's chain; a (head, token) score takes the same
+// operations in the same order whatever GS is (one FMA chain over head_dim, then hsum8x8's
+// reduction, the same for every lane).
 template <typename KV, int GS>
 AVX2H __m256 scores_heads(const float* q0, int64_t D, const KV* const* rows, int64_t V) {
-    constexpr int T = 8 / GS;  // tokens per head
+    constexpr int T = TOKENS<GS>;
     __m256 d[8];
+    for (int i = GS * T; i < 8; i++) d[i] = _mm256_setzero_ps();
     {
         __m256 q[GS];
         for (int g = 0; g < GS; g++) q[g] = _mm256_loadu_ps(q0 + g * D);
@@ -378,8 +384,8 @@ AVX2H __m256i codes16(const int8_t* p, bool half) {
 }
 
 template <int GS>
-AVX2H __m256 scores_heads_i8(const QCodes* q, int64_t D, const int8_t* const* rows) {
-    constexpr int T = 8 / GS;
+AVX2H __m256 scores_heads_i8(const QCodes* q, int64_t D, const int8_t* const* rows, __m256 steps) {
+    constexpr int T = TOKENS<GS>;
     __m256i d[8];
     for (int i = 0; i < 8; i++) d[i] = _mm256_setzero_si256();
     for (int64_t e = 0; e < D; e += 16) {
@@ -393,26 +399,49 @@ AVX2H __m256 scores_heads_i8(const QCodes* q, int64_t D, const int8_t* const* ro
             for (int g = 0; g < GS; g++) d[g * T + j] = _mm256_add_epi32(d[g * T + j], _mm256_madd_epi16(qv[g], k));
         }
     }
-    const __m256 sums = _mm256_cvtepi32_ps(hsum8x8_epi32(d));
-    if (GS == 1) return _mm256_mul_ps(sums, _mm256_set1_ps(q[0].step));
-    return _mm256_mul_ps(sums, _mm256_setr_m128(_mm_set1_ps(q[0].step), _mm_set1_ps(q[1].step)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8x8_epi32(d)), steps);
+}
+
+// A score vector's per-lane factor: x[g] in head g's lanes (0 in the empty ones)
+template <int GS>
+AVX2H __m256 per_head(const float* x) {
+    if constexpr (GS == 1) return _mm256_set1_ps(x[0]);
+    if constexpr (GS == 2) return _mm256_setr_m128(_mm_set1_ps(x[0]), _mm_set1_ps(x[1]));
+    const float x3 = GS == 4 ? x[3] : 0.f;
+    return _mm256_setr_ps(x[0], x[0], x[1], x[1], x[2], x[2], x3, x3);
+}
+
+// The chunk's scales ks[t0 ..] in a score vector's lanes (each head's tokens)
+template <int GS>
+AVX2H __m256 per_token(const float* ks) {
+    if constexpr (GS == 1) return _mm256_load_ps(ks);
+    if constexpr (GS == 2) return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(ks));
+    return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(ks)));
 }
 
 // Stores scores_heads' vector into s[g0 ..][t0 ..] (aligned); tokens from `left` on lie past the
 // chunk (they read its last row) and are stored as -inf, so that exp turns them into 0.
 template <int GS>
 AVX2H void store_scores(float (*s)[CHUNK], int64_t g0, int64_t t0, __m256 sums, int64_t left) {
-    constexpr int T = 8 / GS;
+    constexpr int T = TOKENS<GS>;
     if (left < T) {
-        const __m256i lane = GS == 1 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7) : _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
+        const __m256i lane = T == 8 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                             : T == 4 ? _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)
+                                      : _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1);
         const __m256 past = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)(left - 1))));
         sums = _mm256_blendv_ps(sums, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), past);
     }
-    if (GS == 1) {
+    const __m128 lo = _mm256_castps256_ps128(sums), hi = _mm256_extractf128_ps(sums, 1);
+    if constexpr (GS == 1) {
         _mm256_store_ps(&s[g0][t0], sums);
-    } else {
-        _mm_store_ps(&s[g0][t0], _mm256_castps256_ps128(sums));
-        _mm_store_ps(&s[g0 + 1][t0], _mm256_extractf128_ps(sums, 1));
+    } else if constexpr (GS == 2) {
+        _mm_store_ps(&s[g0][t0], lo);
+        _mm_store_ps(&s[g0 + 1][t0], hi);
+    } else {  // two tokens a head: 8 bytes each
+        _mm_storel_pi(reinterpret_cast<__m64*>(&s[g0][t0]), lo);
+        _mm_storeh_pi(reinterpret_cast<__m64*>(&s[g0 + 1][t0]), lo);
+        _mm_storel_pi(reinterpret_cast<__m64*>(&s[g0 + 2][t0]), hi);
+        if constexpr (GS == 4) _mm_storeh_pi(reinterpret_cast<__m64*>(&s[g0 + 3][t0]), hi);
     }
 }
 
@@ -442,23 +471,30 @@ AVX2H void accumulate_v(float* acc, int64_t D, const KV* v, const int64_t* at, c
 template <typename KV, int GS>
 AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64_t* at, int64_t n,
                        const float* ks, int64_t g0, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
-    constexpr int T = 8 / GS;
+    constexpr int T = TOKENS<GS>;
     const int64_t D = a.head_dim;
+    QCodes q[GS];  // int8: the heads' codes, and their steps in the score vector's lanes
+    __m256 steps = _mm256_setzero_ps();
+    if constexpr (std::is_same<KV, int8_t>::value) {
+        float step[GS];
+        for (int g = 0; g < GS; g++) {
+            q[g] = qcodes(qs + (g0 + g) * D, D);
+            step[g] = q[g].step;
+        }
+        steps = per_head<GS>(step);
+    }
     for (int64_t t0 = 0; t0 < n; t0 += T) {
         const KV* rows[T];
         for (int j = 0; j < T; j++) rows[j] = kh + at[t0 + j];
         __m256 sums;
-        if constexpr (std::is_same<KV, int8_t>::value) {
-            QCodes q[GS];
-            for (int g = 0; g < GS; g++) q[g] = qcodes(qs + (g0 + g) * D, D);
-            sums = scores_heads_i8<GS>(q, D, rows);
-        } else {
+        if constexpr (std::is_same<KV, int8_t>::value)
+            sums = scores_heads_i8<GS>(q, D, rows, steps);
+        else
             sums = scores_heads<KV, GS>(qs + g0 * D, D, rows, D / 8);
-        }
-        if (SCALED<KV>)
-            sums = _mm256_mul_ps(sums, GS == 1 ? _mm256_load_ps(ks + t0) : _mm256_broadcast_ps(reinterpret_cast<const __m128*>(ks + t0)));
+        if (SCALED<KV>) sums = _mm256_mul_ps(sums, per_token<GS>(ks + t0));
         store_scores<GS>(s, g0, t0, sums, n - t0);
-        prefetch.k_step();  // one step per 8 scores, as a lone head's group of 8 tokens takes
+        // one step per 8 scores, as a lone head's group of 8 tokens takes (three heads: 6, a step early)
+        prefetch.k_step();
     }
 }
 
@@ -531,12 +567,63 @@ AVX2H_FN void prep_avx2(const Args& a, int64_t row, float* qs, float* acc, float
     }
 }
 
-// Which types the AVX2 loop takes two query heads at a time: the fp8 ones, whose widening costs more
-// than the extra passes pairing takes, and int8 (even). Against one head at a time, same bits, same
-// run (decode_attention.py --baseline-lib, 3 runs): e4m3 1.20-1.25x, e5m2 1.08-1.13x, int8 0.96-1.02x;
-// paired, float32 took 1/0.78 and bfloat16 1/0.87 of the time (its widening is one shift).
+// Which types the AVX2 loop takes a KV head's query heads together for, so that each K and V vector
+// is widened once for the group: all but float32, which has nothing to widen. The groups are of up
+// to four heads: a GQA group of 3 or 4 in one pass, 7 in two (4 + 3). int8's scores are the
+// exception: they go two heads at a time (SCORE_GROUP). Its integer scores widen K in one
+// instruction, and four heads' 2-token score vectors cost more in query loads and reductions than
+// they save. A (head, token) score and a V element take the same operations in the same order
+// whatever the group, so the output is the same bits as before grouping (decode_attention.py
+// --baseline-lib, every dtype, 9/3 and 32/8 heads).
+// Against the loop before (pairs for the 1-byte types, one head at a time for the 16-bit ones), on
+// the 2-core AVX2 host:
+//   - in cache (one core, 16 rows x 500 tokens, 9/3 heads x 64, best of ~3 s, two runs): bfloat16
+//     1.15-1.22x, float16 0.96-1.02x, e4m3 1.18-1.19x, e5m2 1.20-1.25x, int8 1.02-1.05x;
+//   - 64 scattered rows x 2,000, 2 threads, the same run: e4m3 1.08-1.13x, e5m2 1.07-1.12x at 9/3 x 64
+//     and 1.18x / 1.13x at 32/8 x 128; bfloat16 0.96x and 1.25x, float16 0.93-0.96x and 1.04x,
+//     int8 0.87-1.13x and 1.00x, where float32 (unchanged code) read 0.95-0.97x (an A/A run: 0.92-1.04x).
+// Before, the same measure found pairs cost float32 1/0.78 and bfloat16 1/0.87 of the time; the
+// groups of four here also group the V sums, which pairs of 16-bit types did not pay for.
 template <typename KV>
-constexpr bool PAIRED = sizeof(KV) == 1;
+constexpr bool GROUPED = sizeof(KV) <= 2;
+template <typename KV>
+constexpr int SCORE_GROUP = std::is_same<KV, int8_t>::value ? 2 : 4;
+
+// GROUPED types on AVX2: heads g .. end - 1 of one KV head in groups of SCORE_GROUP, then those left
+template <typename KV>
+AVX2H void score_groups(const Args& a, const float* qs, const KV* kh, const int64_t* at, int64_t n,
+                        const float* ks, int64_t g, int64_t end, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
+    constexpr int M = SCORE_GROUP<KV>;
+    for (; g + M <= end; g += M) score_group<KV, M>(a, qs, kh, at, n, ks, g, s, prefetch);
+    if constexpr (M == 4) {
+        if (end - g == 3) score_group<KV, 3>(a, qs, kh, at, n, ks, g, s, prefetch);
+        if (end - g == 2) score_group<KV, 2>(a, qs, kh, at, n, ks, g, s, prefetch);
+    }
+    if (end - g == 1) score_group<KV, 1>(a, qs, kh, at, n, ks, g, s, prefetch);
+}
+
+// ... and their V sums: groups of four, then the 3, 2 or 1 left
+template <typename KV>
+AVX2H void v_groups(const Args& a, float* acc, const KV* vh, const int64_t* at, int64_t n, float (*s)[CHUNK],
+                    const float* corr, int64_t g, int64_t end, NextChunkPrefetch& prefetch) {
+    const int64_t D = a.head_dim;
+    for (; g + 4 <= end; g += 4) {
+        const float* p[4] = {s[g], s[g + 1], s[g + 2], s[g + 3]};
+        v_group<KV, 4>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
+    }
+    if (end - g == 3) {
+        const float* p[3] = {s[g], s[g + 1], s[g + 2]};
+        v_group<KV, 3>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
+    }
+    if (end - g == 2) {
+        const float* p[2] = {s[g], s[g + 1]};
+        v_group<KV, 2>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
+    }
+    if (end - g == 1) {
+        const float* p[1] = {s[g]};
+        v_group<KV, 1>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
+    }
+}
 
 // run_scales in registers: each group of 8 positions' scales gathered from their rows (idx: a
 // position's element offset, the slot times num_kv_heads; positions past n read the last one) and
@@ -571,36 +658,33 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
     alignas(32) int32_t scale_at[CHUNK];  // int8: each position's offset in the scale arrays
     if (SCALED<KV>)
         for (int64_t t = 0; t < n; t++) scale_at[t] = (int32_t)(slots[t] * a.num_kv_heads);
-    // scores: the query heads of one KV head two at a time (each K element widened once per pair),
-    // an odd one alone
+    // scores: GROUPED types take the query heads of one KV head together (score_groups), the others
+    // one at a time
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* kh = kc + kvh * D;
         if (SCALED<KV>) run_scales_avx2(a.k_scale, scale_at, n, kvh, ks);
-        int64_t g = kvh * G;
-        if (PAIRED<KV>)
-            for (; g + 2 <= kvh * G + G; g += 2) score_group<KV, 2>(a, qs, kh, at, n, ks, g, s, prefetch);
-        for (; g < kvh * G + G; g++) score_group<KV, 1>(a, qs, kh, at, n, ks, g, s, prefetch);
+        if (GROUPED<KV>)
+            score_groups<KV>(a, qs, kh, at, n, ks, kvh * G, kvh * G + G, s, prefetch);
+        else
+            for (int64_t g = kvh * G; g < kvh * G + G; g++) score_group<KV, 1>(a, qs, kh, at, n, ks, g, s, prefetch);
     }
     for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
     // acc = acc * corr + sum_t p_t v_t: int8's weights take the V scales first (after l summed them
-    // unscaled). Paired types: every head's softmax, then the heads of one KV head two at a time (each
-    // V element widened once per pair); the others head by head, each V pass right after its softmax,
-    // in the order they had before pairing
+    // unscaled). GROUPED types: every head's softmax, then the heads of one KV head together; the
+    // others head by head, each V pass right after its softmax
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* vh = vc + kvh * D;
         if (SCALED<KV>) run_scales_avx2(a.v_scale, scale_at, n, kvh, vs);
-        int64_t g = kvh * G;
-        if (PAIRED<KV>) {
-            for (int64_t h = g; h < kvh * G + G; h++) corr[h] = softmax8(s[h], n, m[h], l[h], SCALED<KV> ? vs : nullptr);
-            for (; g + 2 <= kvh * G + G; g += 2) {
-                const float* p[2] = {s[g], s[g + 1]};
-                v_group<KV, 2>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
+        if (GROUPED<KV>) {
+            for (int64_t h = kvh * G; h < kvh * G + G; h++)
+                corr[h] = softmax8(s[h], n, m[h], l[h], SCALED<KV> ? vs : nullptr);
+            v_groups<KV>(a, acc, vh, at, n, s, corr, kvh * G, kvh * G + G, prefetch);
+        } else {
+            for (int64_t g = kvh * G; g < kvh * G + G; g++) {
+                corr[g] = softmax8(s[g], n, m[g], l[g], SCALED<KV> ? vs : nullptr);
+                const float* p[1] = {s[g]};
+                v_group<KV, 1>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
             }
-        }
-        for (; g < kvh * G + G; g++) {
-            if (!PAIRED<KV>) corr[g] = softmax8(s[g], n, m[g], l[g], SCALED<KV> ? vs : nullptr);
-            const float* p[1] = {s[g]};
-            v_group<KV, 1>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
         }
     }
 }
@@ -771,10 +855,13 @@ __attribute__((target(AVX512_TARGET))) void prep_avx512(
     }
 }
 
-// The 1-byte types take a KV head's query heads two at a time (PAIRED, as the AVX2 loop does): their
-// widening is the costly part, and a pair widens each K and V vector once. The same bits either way.
+// The 1-byte types take a KV head's query heads two at a time (PAIRED16; the AVX2 loop groups up to four,
+// GROUPED): their widening is the costly part, and a pair widens each K and V vector once. The same bits either way.
 // Against one head at a time on a 16-core AVX-512 Xeon (decode_attention.py --baseline-lib, 2
 // threads): e4m3 1.16x, e5m2 1.21x, int8 1.13x at 9/3 heads x 64; 1.41x, 1.45x, 1.30x at 32/8 x 128.
+template <typename KV>
+constexpr bool PAIRED16 = sizeof(KV) == 1;
+
 template <typename KV>
 __attribute__((target(AVX512_TARGET))) void chunk_avx512(
         const Args& a, const float* qs, float* acc, float* m, float* l, const int64_t* slots, int64_t n,
@@ -790,7 +877,7 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
         const KV* kh = kc + kvh * D;
         if (SCALED<KV>) run_scales(a.k_scale, slots, n, kvh, a.num_kv_heads, ks);
         int64_t g = kvh * G;
-        if (PAIRED<KV>)
+        if (PAIRED16<KV>)
             for (; g + 2 <= kvh * G + G; g += 2) score_group16<KV, 2>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
         for (; g < kvh * G + G; g++) score_group16<KV, 1>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
         // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the chunk's scores, -inf
@@ -806,7 +893,7 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
             vscale = vs;
         }
         int64_t g = kvh * G;
-        if (PAIRED<KV>) {
+        if (PAIRED16<KV>) {
             for (int64_t h = g; h < kvh * G + G; h++) corr[h] = softmax16(s[h], n16, m[h], l[h], vscale);
             for (; g + 2 <= kvh * G + G; g += 2) {
                 const float* p[2] = {s[g], s[g + 1]};
@@ -816,7 +903,7 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
             }
         }
         for (; g < kvh * G + G; g++) {
-            if (!PAIRED<KV>) corr[g] = softmax16(s[g], n16, m[g], l[g], vscale);
+            if (!PAIRED16<KV>) corr[g] = softmax16(s[g], n16, m[g], l[g], vscale);
             const float* p[1] = {s[g]};
             v_heads16<KV, 1>(acc + g * D, D, vh, slots, p, n, stride, corr + g);
             prefetch.v_step();
@@ -871,8 +958,9 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
 }
 
 // ---------------------------------------------------------------- a tile's chunks widened once
-// The in-place loops widen a narrow K/V element once per query head of its GQA group and, in a
-// tile, once per row: a prompt chunk's 8 rows widen each chunk 8 x G times. The staged item widens
+// The in-place loops widen a narrow K/V element once per group of query heads that read it (GROUPED,
+// PAIRED16) and, in a tile, once per row: a prompt chunk's 8 rows widen each chunk 8 times or more
+// (8 x G for a type taken head by head). The staged item widens
 // each chunk once per tile into a float32 buffer laid out like a float32 cache holding the chunk's
 // positions in slots 0 .. n (CHUNK positions: a few KB in L1/L2, never a copy of the context) and
 // runs the same loop on it. It takes the same chunks as the in-place item and the loop gets the
