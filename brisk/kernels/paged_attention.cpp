@@ -493,7 +493,8 @@ AVX2H void score_group(const Args& a, const float* qs, const KV* kh, const int64
             sums = scores_heads<KV, GS>(qs + g0 * D, D, rows, D / 8);
         if (SCALED<KV>) sums = _mm256_mul_ps(sums, per_token<GS>(ks + t0));
         store_scores<GS>(s, g0, t0, sums, n - t0);
-        // one step per 8 scores, as a lone head's group of 8 tokens takes (three heads: 6, a step early)
+        // a step per call, planned as one per 8 scores (a lone head's call); three heads' calls score 6,
+        // so they take their steps early, and the prefetch stops at the chunk's last line
         prefetch.k_step();
     }
 }
@@ -855,8 +856,9 @@ __attribute__((target(AVX512_TARGET))) void prep_avx512(
     }
 }
 
-// The 1-byte types take a KV head's query heads two at a time (PAIRED16; the AVX2 loop groups up to four,
-// GROUPED): their widening is the costly part, and a pair widens each K and V vector once. The same bits either way.
+// The 1-byte types take a KV head's query heads two at a time (PAIRED16; the AVX2 loop groups up to
+// four, GROUPED): their widening is the costly part, and a pair widens each K and V vector once. The
+// same bits either way.
 // Against one head at a time on a 16-core AVX-512 Xeon (decode_attention.py --baseline-lib, 2
 // threads): e4m3 1.16x, e5m2 1.21x, int8 1.13x at 9/3 heads x 64; 1.41x, 1.45x, 1.30x at 32/8 x 128.
 template <typename KV>
