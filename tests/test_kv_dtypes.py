@@ -173,7 +173,8 @@ def scored_query(lib, q: torch.Tensor, scale: float, kv) -> torch.Tensor:
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (9, 3)], ids=["gqa4", "gqa3"])
 def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, staged, kv, heads, kv_heads):
     """Ragged rows over scattered blocks (block size 8: an 8-bit type's chunks cross blocks), GQA
-    groups of 4 and of 3 (the AVX2 loop takes an 8-bit type's heads in pairs: 2+2, and 2+1), a
+    groups of 4 and of 3 (the AVX2 loop takes a narrow type's group in one pass, int8's scores 2+2 and
+    2+1; the AVX-512 loop pairs the 8-bit types' heads), a
     sliding window on one call and a softcap on another, parts merged or not: the kernel against
     float64 attention over exactly the values the cache holds (what kv_codec.decode widens them to)
     and the query as the path scores it; the int16 query's rounding costs less than 1e-4."""
