@@ -522,12 +522,17 @@ AVX2H float softmax8(float* s, int64_t n, float& m, float& l, const float* vscal
     return corr;
 }
 
-// The V sums of heads g0 .. g0 + GS of one KV head (acc = head g0's), all of head_dim, in slices of W
-// vectors (GS x W accumulators: at most 8 of AVX2's 16 registers)
+// The V sums of heads g0 .. g0 + GS - 1 of one KV head (their weights s[g0 ..], their sums in acc's
+// rows g0 ..), all of head_dim, in slices of W vectors (GS x W accumulators: at most 8 of AVX2's 16
+// registers)
 template <typename KV, int GS>
-AVX2H void v_group(const Args& a, float* acc, const KV* vh, const int64_t* at, int64_t n,
-                   const float* const* p, const float* corr, NextChunkPrefetch& prefetch) {
+AVX2H void v_group(const Args& a, float* acc_all, const KV* vh, const int64_t* at, int64_t n, float (*s)[CHUNK],
+                   int64_t g0, const float* corr_all, NextChunkPrefetch& prefetch) {
     const int64_t D = a.head_dim, V = D / 8;
+    float* acc = acc_all + g0 * D;
+    const float* corr = corr_all + g0;
+    const float* p[GS];
+    for (int g = 0; g < GS; g++) p[g] = s[g0 + g];
     int64_t v0 = 0;
     for (; v0 + 8 / GS <= V; v0 += 8 / GS) accumulate_v<KV, GS, 8 / GS>(acc + 8 * v0, D, vh + 8 * v0, at, p, n, corr);
     for (; v0 < V; v0++) accumulate_v<KV, GS, 1>(acc + 8 * v0, D, vh + 8 * v0, at, p, n, corr);
@@ -607,23 +612,10 @@ AVX2H void score_groups(const Args& a, const float* qs, const KV* kh, const int6
 template <typename KV>
 AVX2H void v_groups(const Args& a, float* acc, const KV* vh, const int64_t* at, int64_t n, float (*s)[CHUNK],
                     const float* corr, int64_t g, int64_t end, NextChunkPrefetch& prefetch) {
-    const int64_t D = a.head_dim;
-    for (; g + 4 <= end; g += 4) {
-        const float* p[4] = {s[g], s[g + 1], s[g + 2], s[g + 3]};
-        v_group<KV, 4>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
-    }
-    if (end - g == 3) {
-        const float* p[3] = {s[g], s[g + 1], s[g + 2]};
-        v_group<KV, 3>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
-    }
-    if (end - g == 2) {
-        const float* p[2] = {s[g], s[g + 1]};
-        v_group<KV, 2>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
-    }
-    if (end - g == 1) {
-        const float* p[1] = {s[g]};
-        v_group<KV, 1>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
-    }
+    for (; g + 4 <= end; g += 4) v_group<KV, 4>(a, acc, vh, at, n, s, g, corr, prefetch);
+    if (end - g == 3) v_group<KV, 3>(a, acc, vh, at, n, s, g, corr, prefetch);
+    if (end - g == 2) v_group<KV, 2>(a, acc, vh, at, n, s, g, corr, prefetch);
+    if (end - g == 1) v_group<KV, 1>(a, acc, vh, at, n, s, g, corr, prefetch);
 }
 
 // run_scales in registers: each group of 8 positions' scales gathered from their rows (idx: a
@@ -683,8 +675,7 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
         } else {
             for (int64_t g = kvh * G; g < kvh * G + G; g++) {
                 corr[g] = softmax8(s[g], n, m[g], l[g], SCALED<KV> ? vs : nullptr);
-                const float* p[1] = {s[g]};
-                v_group<KV, 1>(a, acc + g * D, vh, at, n, p, corr + g, prefetch);
+                v_group<KV, 1>(a, acc, vh, at, n, s, g, corr, prefetch);
             }
         }
     }
