@@ -761,13 +761,16 @@ AVX512 void accumulate_v16(float* acc, int64_t D, const KV* v, const int64_t* sl
         for (int w = 0; w < W; w++) _mm512_storeu_ps(acc + g * D + 16 * w, _mm512_add_ps(x[g][w], y[g][w]));
 }
 
-// all of head_dim for GS heads (one head: 8 vectors a pass; two: 4, to stay in registers)
+// all of head_dim for GS heads, in passes of W16<GS> vectors: 8 for one head, 4 for two or three (2 x GS x W
+// accumulators: 16, 16, 24 of AVX-512's 32 registers)
+template <int GS>
+constexpr int W16 = GS == 1 ? 8 : 4;
 template <typename KV, int GS>
 AVX512 void v_heads16(float* acc, int64_t D, const KV* vh, const int64_t* slots, const float* const* p, int64_t n,
                       int64_t stride, const float* corr) {
     const int64_t V = D / 16;
     int64_t v0 = 0;
-    if constexpr (GS == 1)
+    if constexpr (W16<GS> == 8)
         for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, GS, 8>(acc + 16 * v0, D, vh + 16 * v0, slots, p, n, stride, corr);
     for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, GS, 4>(acc + 16 * v0, D, vh + 16 * v0, slots, p, n, stride, corr);
     for (; v0 < V; v0++) accumulate_v16<KV, GS, 1>(acc + 16 * v0, D, vh + 16 * v0, slots, p, n, stride, corr);
@@ -847,13 +850,55 @@ __attribute__((target(AVX512_TARGET))) void prep_avx512(
     }
 }
 
-// The 1-byte types take a KV head's query heads two at a time (PAIRED16; the AVX2 loop groups up to
-// four, GROUPED): their widening is the costly part, and a pair widens each K and V vector once. The
-// same bits either way.
-// Against one head at a time on a 16-core AVX-512 Xeon (decode_attention.py --baseline-lib, 2
-// threads): e4m3 1.16x, e5m2 1.21x, int8 1.13x at 9/3 heads x 64; 1.41x, 1.45x, 1.30x at 32/8 x 128.
+// The types narrower than float32 take a KV head's query heads in groups of up to three (GROUPED16; the
+// AVX2 loop's groups are of up to four): the group widens each K and V vector once. A group's scores keep
+// GS x 8 accumulators, 24 of the 32 registers at three, so four would not fit. A GQA group of 3 (the demo)
+// is one group, 4 (Llama 3 8B) two pairs, 7 three + two pairs. The same bits whatever the groups: a
+// (head, position) score and a V element take the same operations in the same order.
+// On a 16-core AVX-512 Xeon (decode_attention.py --baseline-lib, 2 threads, 64 rows x 2,000, median):
+//   - pairs of 1-byte types against one head at a time: e4m3 1.16x, e5m2 1.21x, int8 1.13x at 9/3 heads
+//     x 64; 1.41x, 1.45x, 1.30x at 32/8 x 128;
+//   - these groups against those pairs (and the 16-bit types head by head), 9/3 x 64: e4m3 1.22x, e5m2
+//     1.20x, int8 1.15x, bfloat16 1.07x, float16 1.02x; at 32/8 x 128 (two pairs either way for the 1-byte
+//     types) 0.97-1.06x, where float32's unchanged code read 0.95x.
 template <typename KV>
-constexpr bool PAIRED16 = sizeof(KV) == 1;
+constexpr bool GROUPED16 = sizeof(KV) <= 2;
+// the size of the next group when `left` heads of a KV head remain
+inline int64_t group16(int64_t left) { return left == 1 ? 1 : left == 2 || left == 4 ? 2 : 3; }
+
+// GROUPED16 types: the scores of heads g .. end - 1 of one KV head, group by group
+template <typename KV>
+AVX512 void score_groups16(const float* qs, int64_t D, const KV* kh, const int64_t* slots, int64_t n, int64_t stride,
+                           const float* ks, int64_t g, int64_t end, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
+    for (int64_t gs; g < end; g += gs) {
+        gs = group16(end - g);
+        if (gs == 3) score_group16<KV, 3>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
+        if (gs == 2) score_group16<KV, 2>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
+        if (gs == 1) score_group16<KV, 1>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
+    }
+}
+
+// The V sums of heads g0 .. g0 + GS - 1 of one KV head (their weights s[g0 ..], their sums in acc's rows g0 ..)
+template <typename KV, int GS>
+AVX512 void v_group16(float* acc, int64_t D, const KV* vh, const int64_t* slots, int64_t n, int64_t stride,
+                      float (*s)[CHUNK], const float* corr, int64_t g0, NextChunkPrefetch& prefetch) {
+    const float* p[GS];
+    for (int g = 0; g < GS; g++) p[g] = s[g0 + g];
+    v_heads16<KV, GS>(acc + g0 * D, D, vh, slots, p, n, stride, corr + g0);
+    for (int g = 0; g < GS; g++) prefetch.v_step();
+}
+
+// ... and GROUPED16 types' V sums, in the same groups
+template <typename KV>
+AVX512 void v_groups16(float* acc, int64_t D, const KV* vh, const int64_t* slots, int64_t n, int64_t stride,
+                       float (*s)[CHUNK], const float* corr, int64_t g, int64_t end, NextChunkPrefetch& prefetch) {
+    for (int64_t gs; g < end; g += gs) {
+        gs = group16(end - g);
+        if (gs == 3) v_group16<KV, 3>(acc, D, vh, slots, n, stride, s, corr, g, prefetch);
+        if (gs == 2) v_group16<KV, 2>(acc, D, vh, slots, n, stride, s, corr, g, prefetch);
+        if (gs == 1) v_group16<KV, 1>(acc, D, vh, slots, n, stride, s, corr, g, prefetch);
+    }
+}
 
 template <typename KV>
 __attribute__((target(AVX512_TARGET))) void chunk_avx512(
@@ -869,15 +914,17 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* kh = kc + kvh * D;
         if (SCALED<KV>) run_scales(a.k_scale, slots, n, kvh, a.num_kv_heads, ks);
-        int64_t g = kvh * G;
-        if (PAIRED16<KV>)
-            for (; g + 2 <= kvh * G + G; g += 2) score_group16<KV, 2>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
-        for (; g < kvh * G + G; g++) score_group16<KV, 1>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
+        if constexpr (GROUPED16<KV>)
+            score_groups16<KV>(qs, D, kh, slots, n, stride, ks, kvh * G, kvh * G + G, s, prefetch);
+        else
+            for (int64_t g = kvh * G; g < kvh * G + G; g++) score_group16<KV, 1>(qs, D, kh, slots, n, stride, ks, g, s, prefetch);
         // a 16-wide softmax pass reads s[g][n .. 16 * n16): past the chunk's scores, -inf
         for (int64_t h = kvh * G; h < kvh * G + G; h++)
             for (int64_t t = (n + 7) / 8 * 8; t < n16 * 16; t++) s[h][t] = -std::numeric_limits<float>::infinity();
     }
     for (int64_t g = 0; g < H; g++) cap_scores(a, s[g], n);
+    // GROUPED16 types: every head's softmax, then the heads' V sums group by group; float32 head by head,
+    // each V pass right after its softmax
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* vh = vc + kvh * D;
         const float* vscale = nullptr;
@@ -885,21 +932,14 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
             run_scales(a.v_scale, slots, n, kvh, a.num_kv_heads, vs);
             vscale = vs;
         }
-        int64_t g = kvh * G;
-        if (PAIRED16<KV>) {
-            for (int64_t h = g; h < kvh * G + G; h++) corr[h] = softmax16(s[h], n16, m[h], l[h], vscale);
-            for (; g + 2 <= kvh * G + G; g += 2) {
-                const float* p[2] = {s[g], s[g + 1]};
-                v_heads16<KV, 2>(acc + g * D, D, vh, slots, p, n, stride, corr + g);
-                prefetch.v_step();
-                prefetch.v_step();
+        if constexpr (GROUPED16<KV>) {
+            for (int64_t h = kvh * G; h < kvh * G + G; h++) corr[h] = softmax16(s[h], n16, m[h], l[h], vscale);
+            v_groups16<KV>(acc, D, vh, slots, n, stride, s, corr, kvh * G, kvh * G + G, prefetch);
+        } else {
+            for (int64_t g = kvh * G; g < kvh * G + G; g++) {
+                corr[g] = softmax16(s[g], n16, m[g], l[g], vscale);
+                v_group16<KV, 1>(acc, D, vh, slots, n, stride, s, corr, g, prefetch);
             }
-        }
-        for (; g < kvh * G + G; g++) {
-            if (!PAIRED16<KV>) corr[g] = softmax16(s[g], n16, m[g], l[g], vscale);
-            const float* p[1] = {s[g]};
-            v_heads16<KV, 1>(acc + g * D, D, vh, slots, p, n, stride, corr + g);
-            prefetch.v_step();
         }
     }
 }
@@ -952,9 +992,9 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
 
 // ---------------------------------------------------------------- a tile's chunks widened once
 // The in-place loops widen a narrow K/V element once per group of query heads that read it (GROUPED,
-// PAIRED16) and, in a tile, once per row: a prompt chunk's 8 rows widen each chunk 8 times or more
-// (8 x G for a type taken head by head). The staged item widens
-// each chunk once per tile into a float32 buffer laid out like a float32 cache holding the chunk's
+// GROUPED16) and, in a tile, once per row: a prompt chunk's 8 rows widen each chunk 8 times, times
+// the number of groups (more on the portable loop, head by head). The staged item widens each chunk
+// once per tile into a float32 buffer laid out like a float32 cache holding the chunk's
 // positions in slots 0 .. n (CHUNK positions: a few KB in L1/L2, never a copy of the context) and
 // runs the same loop on it. It takes the same chunks as the in-place item and the loop gets the
 // same float32 values (widening is exact; int8 keeps its scales apart, applied as the in-place
