@@ -199,8 +199,9 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
 @pytest.mark.parametrize("group", [5, 6, 7])
 def test_gqa_groups_of_more_than_four_heads(lib, isa, kv, group):
     """The AVX2 loop takes a KV head's query heads four at a time and then the 3, 2 or 1 left (int8's
-    scores two at a time): GQA groups of 5, 6 and 7 (Qwen2.5-7B's 28/4) against float64 attention over
-    the stored values, each head's output in its own place."""
+    scores two at a time), the AVX-512 loop three at a time with a 4 or 2 left as pairs (5 = 3 + 2,
+    7 = 3 + 2 + 2): GQA groups of 5, 6 and 7 (Qwen2.5-7B's 28/4) against float64 attention over the
+    stored values, each head's output in its own place."""
     lib.brisk_paged_attention_force_isa(isa)
     lib.brisk_paged_attention_staged(1)
     bs = 8
