@@ -170,27 +170,30 @@ def scored_query(lib, q: torch.Tensor, scale: float, kv) -> torch.Tensor:
 @pytest.mark.parametrize("isa", sorted(ISAS))
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("kv", list(DTYPES.values()), ids=lambda d: d.name)
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (9, 3)], ids=["gqa4", "gqa3"])
-def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, staged, kv, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (9, 3, 64), (24, 8, 128)],
+                         ids=["gqa4", "gqa3", "gqa3-d128"])
+def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, staged, kv, heads, kv_heads, dim):
     """Ragged rows over scattered blocks (block size 8: an 8-bit type's chunks cross blocks), GQA
-    groups of 4 and of 3 (the AVX2 loop takes a narrow type's group in one pass, int8's scores 2+2 and
-    2+1; the AVX-512 loop pairs the 8-bit types' heads), a
+    groups of 4 and of 3, at head_dim 64 and at 128 (Llama 3.2 3B's 24/8 x 128; the AVX2 loop takes a
+    narrow type's group in one pass, int8's scores 2+2 and 2+1; the AVX-512 loop a group of 3 in one
+    pass and 4 as 2+2, over 4 or 8 vectors of head_dim), a
     sliding window on one call and a softcap on another, parts merged or not: the kernel against
     float64 attention over exactly the values the cache holds (what kv_codec.decode widens them to)
     and the query as the path scores it; the int16 query's rounding costs less than 1e-4."""
     lib.brisk_paged_attention_force_isa(isa)
     lib.brisk_paged_attention_staged(2 if staged else 0)
     bs = 8
-    cache, keys, values, q, tables, lens = ragged_case(kv, heads, kv_heads, 64, bs, [1, 7, 8, 33, 300, 1100], 7, 2)
-    scored = scored_query(lib, q, 0.125, kv)
+    cache, keys, values, q, tables, lens = ragged_case(kv, heads, kv_heads, dim, bs, [1, 7, 8, 33, 300, 1100], 7, 2)
+    scale = dim ** -0.5
+    scored = scored_query(lib, q, scale, kv)
     for part, window, softcap in ((0, None, None), (64, None, None), (64, 100, None), (0, None, 2.0)):
         want = float64_attention(scored, keys, values, tables, lens, bs, 1.0, window, softcap)
-        out = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, 0.125, part_tokens=part,
+        out = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, scale, part_tokens=part,
                                              window=window, softcap=softcap, kv_dtype=kv, scales=cache.scales(0))
         assert out is not None
         err = (out.double() - want).abs().max().item()
         assert err < 2e-5, (ISAS[isa], staged, part, window, softcap, err)
-        exact = float64_attention(q, keys, values, tables, lens, bs, 0.125, window, softcap)
+        exact = float64_attention(q, keys, values, tables, lens, bs, scale, window, softcap)
         assert (out.double() - exact).abs().max().item() < 1e-4
 
 
