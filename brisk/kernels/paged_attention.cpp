@@ -761,16 +761,14 @@ AVX512 void accumulate_v16(float* acc, int64_t D, const KV* v, const int64_t* sl
         for (int w = 0; w < W; w++) _mm512_storeu_ps(acc + g * D + 16 * w, _mm512_add_ps(x[g][w], y[g][w]));
 }
 
-// all of head_dim for GS heads, in passes of W16<GS> vectors: 8 for one head, 4 for two or three (2 x GS x W
+// all of head_dim for GS heads, in passes of 8 vectors for one head and 4 for two or three (2 x GS x W
 // accumulators: 16, 16, 24 of AVX-512's 32 registers)
-template <int GS>
-constexpr int W16 = GS == 1 ? 8 : 4;
 template <typename KV, int GS>
 AVX512 void v_heads16(float* acc, int64_t D, const KV* vh, const int64_t* slots, const float* const* p, int64_t n,
                       int64_t stride, const float* corr) {
     const int64_t V = D / 16;
     int64_t v0 = 0;
-    if constexpr (W16<GS> == 8)
+    if constexpr (GS == 1)
         for (; v0 + 8 <= V; v0 += 8) accumulate_v16<KV, GS, 8>(acc + 16 * v0, D, vh + 16 * v0, slots, p, n, stride, corr);
     for (; v0 + 4 <= V; v0 += 4) accumulate_v16<KV, GS, 4>(acc + 16 * v0, D, vh + 16 * v0, slots, p, n, stride, corr);
     for (; v0 < V; v0++) accumulate_v16<KV, GS, 1>(acc + 16 * v0, D, vh + 16 * v0, slots, p, n, stride, corr);
