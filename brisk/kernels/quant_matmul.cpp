@@ -1172,12 +1172,12 @@ constexpr int MT = 4;                 // activation rows per register tile
 
 // The kernels of a tiled layout whose tile pairs take VNNI at every row count (no nibbles to
 // unpack, or few enough that the pair pays from one row on): int8, int6, int5, int3 and int2.
-// `vnni_verified`: the VNNI pair loop has run its tests on an AVX-512 VNNI host. The int3, int2 and iq4 pair loops
-// (GGUF Q3_K, Q2_K, IQ4_NL/IQ4_XS) were written on an AVX2-only host and have not: until they have, a CPU's own
-// best path (no forced ISA) takes their AVX2 loops, tested and giving the same bits the VNNI loops are meant to
-// give; the tests, which force ISA 3, still run the VNNI loops (tests/test_quant.py, on a host that has them).
+// The int3, int2 and iq4 pair loops (GGUF Q3_K, Q2_K, IQ4_NL/IQ4_XS) were written on an AVX2-only host
+// and took the AVX2 loops until they had run their tests on a VNNI host: they did on a 2-core AVX-512
+// VNNI host (tests/test_quant.py: VNNI forced, bit for bit against AVX2 and the portable loop), where
+// they ran 1.2-1.5x the AVX2 loops' speed at one row and 1.8-2.5x at 16-64 (one 14336 x 4096 matrix,
+// benchmarks/gguf_type_kernels.py --baseline-lib).
 struct Int8Tiles {
-    static constexpr bool vnni_verified = true;
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
                                        int64_t N) { tile8_pair_vnni<MT>(w, t, a, r, K, out, N); }
     template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
@@ -1189,7 +1189,6 @@ struct Int8Tiles {
 
 template <int BITS>
 struct HighTiles {  // int2, int3, int5 and int6
-    static constexpr bool vnni_verified = BITS >= 5;
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
                                        int64_t N) { tile_high_pair_vnni<BITS, MT>(w, t, a, r, K, out, N); }
     template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
@@ -1200,7 +1199,6 @@ struct HighTiles {  // int2, int3, int5 and int6
 };
 
 struct IQ4Tiles {
-    static constexpr bool vnni_verified = false;
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
                                        int64_t N) { tile_iq4_pair_vnni<MT>(w, t, a, r, K, out, N); }
     template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
@@ -1213,7 +1211,7 @@ struct IQ4Tiles {
 // Tile pairs with VNNI (an odd last tile alone, the same bits), else one tile at a time, else portable.
 template <class L>
 void matmul_tiles(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, float* out) {
-    const int isa = L::vnni_verified || forced_isa >= 3 ? kernel_isa() : std::min(kernel_isa(), 2);
+    const int isa = kernel_isa();
     const int64_t tiles = N / NR;
     if (isa >= 3) {
         const int64_t pairs = (tiles + 1) / 2;
