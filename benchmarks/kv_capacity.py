@@ -3,7 +3,9 @@ server under load (issue: "KV cache in bf16, fp8 and int8").
 
 For each dtype: `brisk serve --kv-cache-dtype D --kv-cache-memory M --max-model-len 4096` on the
 demo model; --requests concurrent completions, each a unique ~4,000-token prompt (token ids) and
-64 greedy tokens (ignore_eos), so that every sequence ends at ~4,064 tokens. While they run,
+64 greedy tokens (ignore_eos; --prompt-tokens, --max-tokens), so that every sequence ends at ~4,064
+tokens. With 64, the first requests can finish before the last are prefilled, so a roomy pool is not
+filled: give a 1-byte dtype's count --prompt-tokens 3500 --max-tokens 590. While they run,
 /metrics is read every 0.2 s. Reported:
   running      the peak of brisk:num_requests_running
   decoding     the peak number of requests between their first and last token at once (client
@@ -11,7 +13,8 @@ demo model; --requests concurrent completions, each a unique ~4,000-token prompt
   KV held      the peak of brisk:kv_blocks_used x block size / 4,096 (sequences' worth of KV)
   preemptions  brisk:num_preemptions_total at the end (none means nobody was admitted and evicted)
 
-    .venv/bin/python benchmarks/kv_capacity.py [--memory 512MiB] [--requests 16]
+    .venv/bin/python benchmarks/kv_capacity.py [--memory 512MiB] [--requests 16] [--prompt-tokens 4000]
+        [--max-tokens 64]
         [--kv-dtype float32 bfloat16 fp8 int8]
 """
 
@@ -47,8 +50,8 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-async def one(http: httpx.AsyncClient, url: str, prompt: list[int], spans: list) -> None:
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+async def one(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, spans: list) -> None:
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     first = None
     async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -60,10 +63,10 @@ async def one(http: httpx.AsyncClient, url: str, prompt: list[int], spans: list)
     spans.append((first, time.perf_counter()))
 
 
-async def load(url: str, prompts: list[list[int]]) -> list:
+async def load(url: str, prompts: list[list[int]], max_tokens: int) -> list:
     spans: list = []
     async with httpx.AsyncClient(timeout=3600) as http:
-        await asyncio.gather(*(one(http, url, p, spans) for p in prompts))
+        await asyncio.gather(*(one(http, url, p, max_tokens, spans) for p in prompts))
     return spans
 
 
@@ -103,7 +106,7 @@ def run(dtype: str, args, prompts: list[list[int]]) -> str:
         watcher = threading.Thread(target=watch)
         watcher.start()
         t = time.perf_counter()
-        spans = asyncio.run(load(url, prompts))
+        spans = asyncio.run(load(url, prompts, args.max_tokens))
         elapsed = time.perf_counter() - t
         done.set()
         watcher.join()
@@ -121,6 +124,9 @@ def main() -> None:
     parser.add_argument("--memory", default="512MiB")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=4000)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="tokens generated a request: with few, the first requests may finish before the last "
+                             "are prefilled, and the count is of the workload's timing rather than of the memory")
     parser.add_argument("--kv-dtype", nargs="+", default=["float32", "bfloat16", "fp8", "int8"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/brisk-kv-capacity"))
     args = parser.parse_args()
@@ -128,7 +134,8 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     print(f"--kv-cache-memory {args.memory}, {args.requests} concurrent requests of {args.prompt_tokens} prompt "
-          f"tokens + 64 generated (~4,064-token sequences), --max-model-len 4096")
+          f"tokens + {args.max_tokens} generated (~{args.prompt_tokens + args.max_tokens:,}-token sequences), "
+          f"--max-model-len 4096")
     print("| KV dtype | pool | blocks | peak running | peak decoding at once | peak KV held (4,096-token seqs) "
           "| preemptions | wall |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
