@@ -96,13 +96,6 @@ ROW_INLINE void load_row(const int8_t* src, float* dst, int64_t d) {
 template <typename KV>
 constexpr bool SCALED = std::is_same<KV, int8_t>::value;
 
-// out[t] = scale of the chunk's position t (slot slots[t]) for kv head kvh, t < n; 1 past n
-ROW_INLINE void run_scales(const float* scales, const int64_t* slots, int64_t n, int64_t kvh, int64_t num_kv_heads,
-                           float* out) {
-    for (int64_t t = 0; t < n; t++) out[t] = scales[slots[t] * num_kv_heads + kvh];
-    for (int64_t t = n; t < CHUNK; t++) out[t] = 1.f;
-}
-
 // A row's attention is kept as un-normalised state: acc [H, D], m [H] (running max), l [H] (sum).
 // prep_* scales the row's query into qs [H, D] and clears the state; chunk_* folds in one chunk of
 // n positions (at most CHUNK) whose slots are slots[0 .. n). A row's result depends only on its
@@ -618,9 +611,9 @@ AVX2H void v_groups(const Args& a, float* acc, const KV* vh, const int64_t* at, 
     if (end - g == 1) v_group<KV, 1>(a, acc, vh, at, n, s, g, corr, prefetch);
 }
 
-// run_scales in registers: each group of 8 positions' scales gathered from their rows (idx: a
-// position's element offset, the slot times num_kv_heads; positions past n read the last one) and
-// stored as one vector, 1 past n. Scalar loads and stores here cost the int8 kernel ~15% of its
+// out[t] = the scale of the chunk's position t for kv head kvh (t < n), 1 past n, for t < CHUNK: each
+// group of 8 positions' scales gathered from their rows (idx: a position's element offset, the slot
+// times num_kv_heads; lanes past n are not read) and stored as one vector. Scalar loads and stores here cost the int8 kernel ~15% of its
 // time (a vector load of 8 just-stored scalars waits for them; decode_attention.py shape). The AVX-512
 // loop gathers them so too: its int8 kernel 1.03-1.05x faster, in cache and at 64 rows (2-core AVX-512 host).
 AVX2H void run_scales_avx2(const float* scales, const int32_t* idx, int64_t n, int64_t kvh, float* out) {
