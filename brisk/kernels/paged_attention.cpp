@@ -611,11 +611,16 @@ AVX2H void v_groups(const Args& a, float* acc, const KV* vh, const int64_t* at, 
     if (end - g == 1) v_group<KV, 1>(a, acc, vh, at, n, s, g, corr, prefetch);
 }
 
+// Each of the chunk's n positions' offset in the scale arrays (the slot times num_kv_heads): run_scales_avx2's idx
+inline void scale_offsets(const Args& a, const int64_t* slots, int64_t n, int32_t* idx) {
+    for (int64_t t = 0; t < n; t++) idx[t] = (int32_t)(slots[t] * a.num_kv_heads);
+}
+
 // out[t] = the scale of the chunk's position t for kv head kvh (t < n), 1 past n, for t < CHUNK: each
-// group of 8 positions' scales gathered from their rows (idx: a position's element offset, the slot
-// times num_kv_heads; lanes past n are not read) and stored as one vector. Scalar loads and stores here cost the int8 kernel ~15% of its
-// time (a vector load of 8 just-stored scalars waits for them; decode_attention.py shape). The AVX-512
-// loop gathers them so too: its int8 kernel 1.03-1.05x faster, in cache and at 64 rows (2-core AVX-512 host).
+// group of 8 positions' scales gathered from their rows (idx: scale_offsets; lanes past n are not read)
+// and stored as one vector. Scalar loads and stores here cost the int8 kernel ~15% of its time (a
+// vector load of 8 just-stored scalars waits for them; decode_attention.py shape). The AVX-512 loop
+// gathers them so too: its int8 kernel 1.03-1.05x faster, in cache and at 64 rows (2-core AVX-512 host).
 AVX2H void run_scales_avx2(const float* scales, const int32_t* idx, int64_t n, int64_t kvh, float* out) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t t0 = 0; t0 < CHUNK; t0 += 8) {
@@ -643,8 +648,7 @@ AVX2H_FN void chunk_avx2(const Args& a, const float* qs, float* acc, float* m, f
     const int64_t stride = a.num_kv_heads * D;
     for (int64_t t = 0; t < (n + 7) / 8 * 8; t++) at[t] = slots[std::min<int64_t>(t, n - 1)] * stride;
     alignas(32) int32_t scale_at[CHUNK];  // int8: each position's offset in the scale arrays
-    if (SCALED<KV>)
-        for (int64_t t = 0; t < n; t++) scale_at[t] = (int32_t)(slots[t] * a.num_kv_heads);
+    if (SCALED<KV>) scale_offsets(a, slots, n, scale_at);
     // scores: GROUPED types take the query heads of one KV head together (score_groups), the others
     // one at a time
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
@@ -904,8 +908,7 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
     alignas(64) float ks[CHUNK], vs[CHUNK], corr[MAX_HEADS];  // int8: the chunk's scales
     const int64_t n16 = (n + 15) / 16;
     alignas(32) int32_t scale_at[CHUNK];  // int8: each position's offset in the scale arrays
-    if (SCALED<KV>)
-        for (int64_t t = 0; t < n; t++) scale_at[t] = (int32_t)(slots[t] * a.num_kv_heads);
+    if (SCALED<KV>) scale_offsets(a, slots, n, scale_at);
     for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
         const KV* kh = kc + kvh * D;
         if (SCALED<KV>) run_scales_avx2(a.k_scale, scale_at, n, kvh, ks);
