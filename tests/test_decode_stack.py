@@ -135,3 +135,26 @@ def test_float_weights_keep_the_python_path(demo_fp32):
 def test_turned_off_by_the_environment(demo, monkeypatch):
     monkeypatch.setenv("BRISK_DECODE_STACK", "off")
     assert _engine(demo).runner.decode_stack is None
+
+
+def test_each_step_calls_the_library_bound_at_that_time(demo, monkeypatch):
+    """A benchmark compares two builds by swapping `kernels._lib` between steps (kv_decode.py
+    --baseline-lib): the stack's call must go to the build bound when the step runs, not the one bound
+    when the engine was made (it once kept that one, and every engine A/B compared a build with itself)."""
+    engine = _engine(demo)
+    assert isinstance(engine.runner.decode_stack, DecodeStack)
+    real, calls = kernels.library(), []
+
+    class Recorder:  # another "build": forwards every call, recording the whole-stack ones
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            if name != "brisk_decode_stack":
+                return fn
+            return lambda *args: calls.append(name) or fn(*args)
+
+    monkeypatch.setattr(kernels, "_lib", Recorder())
+    engine.add_request(demo.tokenizer.encode("Name four seasons."),
+                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(calls) >= 3  # every decode step after the prompt's

@@ -68,9 +68,11 @@ class DecodeStack:
     """Callable: (residual [rows, hidden] float32 embeddings, rope tables, step metadata) -> final
     hidden states; `residual` ends as the residual stream (as on the Python path)."""
 
-    def __init__(self, lib: ctypes.CDLL, model: DecoderForCausalLM, layers: list[abi.Layer], dims: abi.Dims):
-        # the model is held so that the weights the layer table points at outlive this object
-        self._lib, self._model = lib, model
+    def __init__(self, model: DecoderForCausalLM, layers: list[abi.Layer], dims: abi.Dims):
+        # the model is held so that the weights the layer table points at outlive this object. Each step calls
+        # the library bound at that time (kernels.library()), never one kept here: a benchmark that swaps in
+        # another build (kv_decode.py --baseline-lib) must reach the stack too
+        self._model = model
         self._layers = (abi.Layer * len(layers))(*layers)
         self._dims = dims
         self._final_norm = model.model.norm.weight
@@ -126,7 +128,7 @@ class DecodeStack:
         dims = abi.Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rotary.rotary_dim,
                      cfg.intermediate_size, kv.dtype.code, block_size, kernels.PART_TOKENS, cfg.rms_norm_eps, scale)
         log.info("decode steps: the whole decoder stack in one compiled call")
-        return cls(lib, model, layers, dims)
+        return cls(model, layers, dims)
 
     def __call__(self, residual: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
         rows = residual.shape[0]
@@ -143,10 +145,11 @@ class DecodeStack:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
         out = torch.empty(rows, widths["x"], dtype=torch.float32)
-        code = self._lib.brisk_decode_stack(self._layers, len(self._layers), ctypes.byref(self._dims),
-                                            self._final_norm.data_ptr(), residual.data_ptr(), cos.data_ptr(),
-                                            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                            lens.data_ptr(), rows, ctypes.byref(scratch), out.data_ptr())
+        code = kernels.library().brisk_decode_stack(self._layers, len(self._layers), ctypes.byref(self._dims),
+                                                       self._final_norm.data_ptr(), residual.data_ptr(),
+                                                       cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows,
+                                                       ctypes.byref(scratch), out.data_ptr())
         if code:  # build() checked the shapes the kernel takes; a refusal here is a bug
             raise RuntimeError(f"brisk_decode_stack refused the step (code {code})")
         return out
