@@ -2,7 +2,8 @@
 block tables scattered over the pool as the KV manager hands them out. Compares, in one run:
 
   kernel   brisk/kernels/paged_attention.cpp, reading K/V in place through the block tables, on
-           each SIMD path the CPU has (AVX2; AVX-512 where present: what serving picks)
+           each SIMD path the CPU has (AVX2; AVX-512 where present: what serving picks; on AVX512-FP16
+           CPUs, where fp8 multiplies in float16, fp8 also on the float32 AVX-512 loop)
   torch    the reference path: index_select the context out of the cache, SDPA on the copy
   bound    the time to read the rows' K/V bytes once at the machine's measured read bandwidth
            (per KV dtype: its own bytes, int8's scales included)
@@ -161,6 +162,9 @@ def main() -> None:
             pairs[name] = {"this": this, "baseline": other}
             same = torch.equal(this(), other())
             bits.append(f"{name}: this build's output {'equals' if same else 'DIFFERS FROM'} the baseline's, bit for bit")
+    if best_isa > 3:  # the float32 arithmetic fp8 takes on AVX-512 CPUs without AVX512-FP16 (int8: the same loop)
+        for name in (n for n in caches if DTYPES[n].element_bytes == 1 and not DTYPES[n].scaled):
+            paths[(name, "kernel avx512")] = kernel(caches[name], 3)
     if best_isa > 2:
         paths[(first, "kernel avx2")] = kernel(caches[first], 2)
     if args.hugepages:

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from quant_accuracy import TEXTS  # noqa: E402
 
+from brisk import kernels  # noqa: E402
 from brisk.engine.attention import PagedKVCache, attention_backend  # noqa: E402
 from brisk.engine.model_runner import SeqSlice, build_batch  # noqa: E402
 from brisk.kv_dtype import DTYPES  # noqa: E402
@@ -78,13 +79,19 @@ def main() -> None:
                              "whose rounding turns any small change into noise; none: float32 weights, the KV "
                              "dtype's own error)")
     parser.add_argument("--kv-dtype", nargs="+", choices=list(DTYPES), default=[d for d in DTYPES if d != "float32"])
+    parser.add_argument("--kernel-isa", type=int, default=-1,
+                        help="the attention kernel's path, at most: 4 avx512fp16 (the 1-byte types multiply in float16), "
+                             "3 avx512, 2 avx2, 0 portable; -1 the best the CPU has (what serving runs)")
     args = parser.parse_args()
+    lib = kernels.library()
+    if lib is not None:
+        lib.brisk_paged_attention_force_isa(args.kernel_isa)
     loaded = load(args.model, max_model_len=max(args.tokens, 2048), quantization=args.quantization)
     ids = long_prompt(loaded.tokenizer, args.tokens)
     torch.manual_seed(0)
     ref = prompt_logits(loaded, ids, DTYPES["float32"], args.chunk)[args.skip:]
     print(f"model {loaded.config.architecture} ({args.model or 'demo'}, --quantization {args.quantization}), "
-          f"{len(ids)}-token prompt "
+          f"attention kernel {kernels.attention_isa()}, {len(ids)}-token prompt "
           f"(7 languages/codes, repeated), positions {args.skip}..{len(ids) - 1}, chunks of {args.chunk}")
     print("| KV dtype | bytes/element | top-1 agreement vs float32 KV | mean KL | max KL | max logit diff |")
     print("|---|---|---|---|---|---|")

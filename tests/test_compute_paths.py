@@ -22,8 +22,28 @@ def test_default_cpu_paths_use_the_compiled_kernels():
     if not got.compiled:
         pytest.skip("no compiled kernels in this checkout (`make` builds them)")
     assert got.attention == "kernel" and got.decode_stack and got.kernel_level >= 1
-    assert got.attention_isa in ("avx512", "avx2", "portable")
+    assert got.attention_isa in ("avx512fp16", "avx512", "avx2", "portable")
     assert attention_backend(torch.device("cpu")) is KernelPagedAttention
+
+
+def test_attention_multiplies_fp8_in_float16_exactly_where_the_cpu_has_avx512fp16():
+    """The attention kernel's ISA follows the CPU's flags (Linux /proc/cpuinfo): avx512fp16 where the
+    CPU has AVX512-FP16 (fp8 KV then multiplies in float16, and `fp8_in_float16` says so), else not."""
+    from brisk import kernels
+    from brisk.kv_dtype import FP8_E4M3, FP8_E5M2, INT8
+
+    got = paths.compute_paths("cpu")
+    if not got.compiled:
+        pytest.skip("no compiled kernels in this checkout (`make` builds them)")
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags here")
+    fp16 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16"))
+    assert (got.attention_isa == "avx512fp16") == fp16
+    assert kernels.fp8_in_float16(FP8_E4M3, 64) == kernels.fp8_in_float16(FP8_E5M2, 128) == fp16
+    assert not kernels.fp8_in_float16(FP8_E4M3, 80) and not kernels.fp8_in_float16(INT8, 64)
+    assert ("fp8 KV multiplied in float16" in got.describe()) == fp16
 
 
 def test_switches_rule_paths_out_and_the_engine_follows(monkeypatch):

@@ -155,7 +155,17 @@ def attention_isa() -> str:
     lib = library()
     if lib is None:
         return "torch-reference"
-    return {3: "avx512", 2: "avx2"}.get(lib.brisk_paged_attention_isa(), "portable")
+    # avx512fp16: the 1-byte KV types (fp8, int8) multiply in float16 there, the others as on avx512
+    return {4: "avx512fp16", 3: "avx512", 2: "avx2"}.get(lib.brisk_paged_attention_isa(), "portable")
+
+
+def fp8_in_float16(kv_dtype: KVDtype, head_dim: int) -> bool:
+    """Whether the paged attention kernel multiplies this KV dtype in float16 here: fp8 (e4m3, e5m2) on
+    AVX512-FP16 CPUs at head_dims that are multiples of 32 (paged_attention.cpp: its results differ from
+    float32 arithmetic's by float16's rounding, far below fp8's own)."""
+    lib = library()
+    return lib is not None and lib.brisk_paged_attention_isa() >= 4 and kv_dtype.element_bytes == 1 \
+        and not kv_dtype.scaled and head_dim % 32 == 0
 
 
 PART_TOKENS = 512  # context positions per work item; a row's parts are merged at the end

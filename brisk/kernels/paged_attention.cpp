@@ -25,7 +25,8 @@
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py). An AVX-512 item loop (head_dim a
 // multiple of 16) or an AVX2+FMA+F16C one (a multiple of 8) is picked at run time; other CPUs and
-// shapes take the portable loop.
+// shapes take the portable loop. On AVX512-FP16 CPUs fp8 K/V (head_dim a multiple of 32) take a loop
+// that multiplies in float16 (chunk_fp16).
 
 #include <algorithm>
 #include <atomic>
@@ -942,6 +943,265 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
     }
 }
 
+// ---------------------------------------------------------------- AVX512-FP16: fp8 multiplied in float16
+// On CPUs with AVX512-FP16 (Sapphire Rapids and later) fp8 K/V are not widened to float32: each 32 codes
+// become 32 float16s in two or three instructions (exact: float16 holds every e4m3 and e5m2 value), and the
+// products and their sums over a chunk run 32 lanes wide in float16, where widening to float32 took 5
+// instructions per 16 e4m3 elements and twice the multiply-adds. What float16 costs, and how it is kept
+// from overflowing:
+//   - every float16 partial sum is bounded by HALF_LIMIT before it is formed: the query is scaled by a
+//     power of two per head (prep_fp16) so that head_dim x max|q| x the type's largest value fits, and the
+//     softmax weights (at most 1) so that CHUNK / 2 of them times the largest value fit. Powers of two are
+//     exact, and the scores' and the V sums' factors undo them;
+//   - a score is a sum of head_dim products rounded to float16 as it is formed, and a chunk's V sum one of
+//     up to CHUNK / 2 weighted rows per accumulator before it joins the float32 sums: relative errors of a
+//     few 2^-11, where fp8 itself rounds to 2^-4 (e4m3) and 2^-3 (e5m2). End to end (the demo model over a
+//     2,048-token prompt) float16 moves the next-token distribution about as far from float32's as the
+//     AVX2 and AVX-512 float32 loops are from each other (mean KL 6.5e-3 against 5.3e-3 on an e4m3 cache:
+//     K/V rounded to fp8 turn any small change into a different code later), and each path's KL against
+//     float32 KV falls within the float32 loops' spread (RESULTS.md). test_kv_dtypes.py holds the kernel
+//     to float64 attention within a bound. int8 keeps the float32 loop: its codes are finer, and float16
+//     bought it 1.04x.
+// The softmax, the running max and sum and the sums across chunks stay float32. The intrinsics need GCC 12
+// or clang 14: an older compiler builds the kernels without this loop.
+#if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12)
+#define BRISK_FP16_LOOP 1
+
+#define FP16_TARGET AVX512_TARGET ",avx512fp16"
+#define FP16 __attribute__((target(FP16_TARGET), always_inline)) inline
+
+// 32 codes as float16, exact: e4m3 as 1/256 of its value (load16's sign-extend, shift and mask at 32
+// lanes), e5m2 its own bits in the high byte
+FP16 __m512h load32h(const e4m3_t* p) {
+    const __m512i b = _mm512_slli_epi16(_mm512_cvtepi8_epi16(widen::load256(p)), 7);
+    return _mm512_castsi512_ph(_mm512_and_si512(b, _mm512_set1_epi16(static_cast<short>(0xBFFF))));
+}
+FP16 __m512h load32h(const e5m2_t* p) {
+    return _mm512_castsi512_ph(_mm512_slli_epi16(_mm512_cvtepu8_epi16(widen::load256(p)), 8));
+}
+
+// the largest magnitude load32h gives (UNSCALE: what its values are short of the true ones by)
+template <typename KV>
+constexpr float HALF_MAX = 57344.f;  // e5m2
+template <>
+constexpr float HALF_MAX<e4m3_t> = 448.f / kvt::E4M3_UNSCALE;
+constexpr float HALF_LIMIT = 32752.f;  // half of float16's largest: room for rounding
+template <typename KV>
+constexpr bool HALF_ARITHMETIC = std::is_same<KV, e4m3_t>::value || std::is_same<KV, e5m2_t>::value;
+
+// A power of two c with c * x <= limit, at least half the largest such (x > 0 and finite, else 1;
+// c within 2^-60 .. 2^60): from the exponent bits of limit and x, no division
+constexpr float pow2_within(float limit, float x) {
+    if (!(x > 0.f) || !(x <= std::numeric_limits<float>::max())) return 1.f;
+    // x < 2^(ex + 1) and 2^el <= limit: c = 2^(el - ex - 1)
+    const int e = std::clamp((int)(__builtin_bit_cast(uint32_t, limit) >> 23) - (int)(__builtin_bit_cast(uint32_t, x) >> 23) - 1, -60, 60);
+    return __builtin_bit_cast(float, (uint32_t)(127 + e) << 23);
+}
+
+// prep for the float16 loop: qs holds the scaled query as float16 [H, D] (the first H * D / 2 floats),
+// then [H] the factor each head's float16 scores are short of the true ones by
+template <typename KV>
+__attribute__((target(FP16_TARGET))) void prep_fp16(const Args& a, int64_t row, float* qs, float* acc, float* m,
+                                                    float* l) {
+    const int64_t D = a.head_dim, H = a.num_heads, V = D / 16;
+    const float* q = a.q + row * H * D;
+    _Float16* qh = reinterpret_cast<_Float16*>(qs);
+    float* unscale = qs + H * D / 2;
+    const __m512 scale = _mm512_set1_ps(a.scale);
+    for (int64_t g = 0; g < H; g++) {
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t v = 0; v < V; v++) {
+            _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_setzero_ps());
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), scale)));
+        }
+        const float c = pow2_within(HALF_LIMIT / ((float)D * HALF_MAX<KV>), _mm512_reduce_max_ps(mx));
+        for (int64_t v = 0; v < V; v++) {
+            const __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), scale), _mm512_set1_ps(c));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(qh + g * D + 16 * v),
+                                _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        unscale[g] = UNSCALE<KV> / c;
+    }
+}
+
+// The sums of 8 float16 vectors' 32 lanes each, as 8 floats: a fixed tree of adds (128-bit blocks
+// first, then within them), the same whatever the heads around it
+FP16 __m256 hsum8x32h(const __m512h* d) {
+    __m512h s[4], t[2];
+    for (int i = 0; i < 4; i++) {  // s[i]'s blocks: d[2i]'s halves' sums (2), then d[2i + 1]'s (2)
+        const __m512 x = _mm512_castph_ps(d[2 * i]), y = _mm512_castph_ps(d[2 * i + 1]);
+        s[i] = _mm512_add_ph(_mm512_castps_ph(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0))),
+                             _mm512_castps_ph(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2))));
+    }
+    for (int i = 0; i < 2; i++) {  // block b of t[i]: vector 4i + b's 8 partial sums
+        const __m512 x = _mm512_castph_ps(s[2 * i]), y = _mm512_castph_ps(s[2 * i + 1]);
+        t[i] = _mm512_add_ph(_mm512_castps_ph(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0))),
+                             _mm512_castps_ph(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
+    }
+    const __m512 x = _mm512_castph_ps(t[0]), y = _mm512_castph_ps(t[1]);
+    // block b's 32-bit words: vector b (2 sums), 4 + b (2), b (2), 4 + b (2)
+    __m512h u = _mm512_add_ph(_mm512_castps_ph(_mm512_unpacklo_ps(x, y)), _mm512_castps_ph(_mm512_unpackhi_ps(x, y)));
+    u = _mm512_add_ph(u, _mm512_castps_ph(_mm512_permute_ps(_mm512_castph_ps(u), _MM_SHUFFLE(1, 0, 3, 2))));
+    u = _mm512_add_ph(u, _mm512_castsi512_ph(_mm512_srli_epi32(_mm512_castph_si512(u), 16)));
+    // vector b's sum in block b's float16 0, vector 4 + b's in its float16 2
+    alignas(64) static const uint16_t order[32] = {0, 8, 16, 24, 2, 10, 18, 26};
+    const __m512i sums = _mm512_permutexvar_epi16(_mm512_load_si512(order), _mm512_castph_si512(u));
+    return _mm256_cvtph_ps(_mm512_castsi512_si128(sums));
+}
+
+// The scores of heads g0 .. g0 + GS - 1 of one KV head over the chunk, 8 positions at a time, into s:
+// score_group16's walk, in float16
+template <typename KV, int GS>
+FP16 void score_group_h(const _Float16* qh, const float* unscale, int64_t D, const KV* kh, const int64_t* slots,
+                        int64_t n, int64_t stride, int64_t g0, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
+    const int64_t V = D / 32;
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const KV* rows8[8];
+        for (int j = 0; j < 8; j++) rows8[j] = kh + slots[std::min<int64_t>(t0 + j, n - 1)] * stride;
+        __m512h d[GS][8];
+        {
+            __m512h q[GS];
+            for (int g = 0; g < GS; g++) q[g] = _mm512_loadu_ph(qh + (g0 + g) * D);
+            for (int j = 0; j < 8; j++) {
+                const __m512h k = load32h(rows8[j]);
+                for (int g = 0; g < GS; g++) d[g][j] = _mm512_mul_ph(q[g], k);
+            }
+        }
+        for (int64_t v = 1; v < V; v++) {
+            __m512h q[GS];
+            for (int g = 0; g < GS; g++) q[g] = _mm512_loadu_ph(qh + (g0 + g) * D + 32 * v);
+            for (int j = 0; j < 8; j++) {
+                const __m512h k = load32h(rows8[j] + 32 * v);
+                for (int g = 0; g < GS; g++) d[g][j] = _mm512_fmadd_ph(q[g], k, d[g][j]);
+            }
+        }
+        for (int g = 0; g < GS; g++) {
+            store_scores<1>(s, g0 + g, t0, _mm256_mul_ps(hsum8x32h(d[g]), _mm256_set1_ps(unscale[g0 + g])), n - t0);
+            prefetch.k_step();
+        }
+    }
+}
+
+// One head's weights (s: n16 vectors, in [0, 1]) times a power of two that keeps a V accumulator's CHUNK / 2
+// terms within HALF_LIMIT, as float16, each in both halves of a 32-bit word (a 32-bit broadcast load gives
+// the V loop its float16 weight). Returns the factor the V sums are short of the true ones by.
+template <typename KV>
+FP16 float weights_h(const float* s, int64_t n16, uint32_t* w) {
+    constexpr float c = pow2_within(HALF_LIMIT / (HALF_MAX<KV> * (CHUNK / 2)), 1.f);
+    for (int64_t i = 0; i < n16; i++) {
+        const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(_mm512_load_ps(s + 16 * i), _mm512_set1_ps(c)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i x = _mm512_cvtepu16_epi32(h);
+        _mm512_store_si512(w + 16 * i, _mm512_or_si512(x, _mm512_slli_epi32(x, 16)));
+    }
+    return UNSCALE<KV> / c;
+}
+
+// acc_g[0 .. 32W) = acc_g * corr_g + unscale_g * (sum over t < n of w_g[t] * v[slots[t] * stride + (0 .. 32W)]),
+// the sum in float16 (even and odd positions apart), acc_g = acc + g * D
+template <typename KV, int GS, int W>
+FP16 void accumulate_v_h(float* acc, int64_t D, const KV* v, const int64_t* slots, const uint32_t* const* w,
+                         int64_t n, int64_t stride, const float* corr, const float* unscale) {
+    __m512h x[GS][W], y[GS][W];
+    for (int g = 0; g < GS; g++)
+        for (int i = 0; i < W; i++) x[g][i] = y[g][i] = _mm512_setzero_ph();
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {
+        __m512h p0[GS], p1[GS];
+        for (int g = 0; g < GS; g++) {
+            p0[g] = _mm512_castsi512_ph(_mm512_set1_epi32((int)w[g][t]));
+            p1[g] = _mm512_castsi512_ph(_mm512_set1_epi32((int)w[g][t + 1]));
+        }
+        const KV* r0 = v + slots[t] * stride;
+        const KV* r1 = v + slots[t + 1] * stride;
+        for (int i = 0; i < W; i++) {
+            const __m512h v0 = load32h(r0 + 32 * i), v1 = load32h(r1 + 32 * i);
+            for (int g = 0; g < GS; g++) {
+                x[g][i] = _mm512_fmadd_ph(p0[g], v0, x[g][i]);
+                y[g][i] = _mm512_fmadd_ph(p1[g], v1, y[g][i]);
+            }
+        }
+    }
+    if (t < n)
+        for (int i = 0; i < W; i++) {
+            const __m512h v0 = load32h(v + slots[t] * stride + 32 * i);
+            for (int g = 0; g < GS; g++)
+                x[g][i] = _mm512_fmadd_ph(_mm512_castsi512_ph(_mm512_set1_epi32((int)w[g][t])), v0, x[g][i]);
+        }
+    for (int g = 0; g < GS; g++)
+        for (int i = 0; i < W; i++) {
+            const __m512i h = _mm512_castph_si512(_mm512_add_ph(x[g][i], y[g][i]));
+            float* o = acc + g * D + 32 * i;
+            const __m512 c = _mm512_set1_ps(corr[g]), u = _mm512_set1_ps(unscale[g]);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), u,
+                                                _mm512_mul_ps(_mm512_loadu_ps(o), c)));
+            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), u,
+                                                     _mm512_mul_ps(_mm512_loadu_ps(o + 16), c)));
+        }
+}
+
+// The V sums of heads g0 .. g0 + GS - 1 of one KV head, over head_dim in passes of 64 elements (GS x 2 x 2
+// float16 accumulators) and a last one of 32
+template <typename KV, int GS>
+FP16 void v_group_h(float* acc, int64_t D, const KV* vh, const int64_t* slots, int64_t n, int64_t stride,
+                    uint32_t (*w)[CHUNK], const float* corr, const float* unscale, int64_t g0,
+                    NextChunkPrefetch& prefetch) {
+    const uint32_t* p[GS];
+    for (int g = 0; g < GS; g++) p[g] = w[g0 + g];
+    int64_t i = 0;
+    for (; i + 64 <= D; i += 64)
+        accumulate_v_h<KV, GS, 2>(acc + g0 * D + i, D, vh + i, slots, p, n, stride, corr + g0, unscale + g0);
+    if (i < D) accumulate_v_h<KV, GS, 1>(acc + g0 * D + i, D, vh + i, slots, p, n, stride, corr + g0, unscale + g0);
+    for (int g = 0; g < GS; g++) prefetch.v_step();
+}
+
+template <typename KV>
+__attribute__((target(FP16_TARGET))) void chunk_fp16(const Args& a, const float* qs, float* acc, float* m, float* l,
+                                                     const int64_t* slots, int64_t n, NextChunkPrefetch& prefetch) {
+    const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, H = a.num_heads;
+    const int64_t stride = a.num_kv_heads * D;
+    const KV* kc = static_cast<const KV*>(a.k_cache);
+    const KV* vc = static_cast<const KV*>(a.v_cache);
+    const _Float16* qh = reinterpret_cast<const _Float16*>(qs);
+    const float* unscale_q = qs + H * D / 2;
+    alignas(64) float s[MAX_HEADS][CHUNK];
+    alignas(64) uint32_t w[MAX_HEADS][CHUNK];
+    alignas(64) float corr[MAX_HEADS], unscale_v[MAX_HEADS];
+    const int64_t n16 = (n + 15) / 16;
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
+        const KV* kh = kc + kvh * D;
+        for (int64_t g = kvh * G, gs, end = kvh * G + G; g < end; g += gs) {
+            gs = group16(end - g);
+            if (gs == 3) score_group_h<KV, 3>(qh, unscale_q, D, kh, slots, n, stride, g, s, prefetch);
+            if (gs == 2) score_group_h<KV, 2>(qh, unscale_q, D, kh, slots, n, stride, g, s, prefetch);
+            if (gs == 1) score_group_h<KV, 1>(qh, unscale_q, D, kh, slots, n, stride, g, s, prefetch);
+        }
+        for (int64_t h = kvh * G; h < kvh * G + G; h++)
+            for (int64_t t = (n + 7) / 8 * 8; t < n16 * 16; t++) s[h][t] = -std::numeric_limits<float>::infinity();
+    }
+    // every head's weights before any V sums: the heads' softmax chains (max, exp, sum) overlap
+    for (int64_t h = 0; h < H; h++) {
+        cap_scores(a, s[h], n);
+        corr[h] = softmax16(s[h], n16, m[h], l[h], nullptr);
+        unscale_v[h] = weights_h<KV>(s[h], n16, w[h]);
+    }
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; kvh++) {
+        const KV* vh = vc + kvh * D;
+        for (int64_t g = kvh * G, gs, end = kvh * G + G; g < end; g += gs) {
+            gs = group16(end - g);
+            if (gs == 3) v_group_h<KV, 3>(acc, D, vh, slots, n, stride, w, corr, unscale_v, g, prefetch);
+            if (gs == 2) v_group_h<KV, 2>(acc, D, vh, slots, n, stride, w, corr, unscale_v, g, prefetch);
+            if (gs == 1) v_group_h<KV, 1>(acc, D, vh, slots, n, stride, w, corr, unscale_v, g, prefetch);
+        }
+    }
+}
+
+#else
+#define BRISK_FP16_LOOP 0
+#endif  // the float16 loop
+
 // ---------------------------------------------------------------- rows in tiles
 
 constexpr int TILE = 8;  // prompt rows that walk their context together
@@ -1123,13 +1383,22 @@ void tile_or_row(const Args& a, int64_t row0, int64_t nrows, const int64_t* star
 
 using ItemFn = void (*)(const Args&, int64_t, int64_t, const int64_t*, const int64_t*, float* const*);
 
-// -1: the best the CPU has; else at most 0 portable, 2 avx2, 3 avx512 (tests pin a path)
+// -1: the best the CPU has; else at most 0 portable, 2 avx2, 3 avx512, 4 avx512 + avx512fp16 (tests pin a path)
 int forced_isa = -1;
+
+bool avx512fp16() {
+#if BRISK_FP16_LOOP
+    return __builtin_cpu_supports("avx512fp16");
+#else
+    return false;  // built without the float16 loop
+#endif
+}
 
 int attention_isa() {
     static const int detected =
         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") ? 3
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+            ? (avx512fp16() ? 4 : 3)
         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 2 : 0;
     return forced_isa >= 0 ? std::min(forced_isa, detected) : detected;
 }
@@ -1156,6 +1425,11 @@ template <typename KV>
 ItemFn pick_kv(int64_t head_dim, float* unscale) {
     using W = Widened<KV>;
     *unscale = 1.f;
+#if BRISK_FP16_LOOP
+    if constexpr (HALF_ARITHMETIC<KV>)
+        if (attention_isa() >= 4 && head_dim % 32 == 0)  // the float16 loop reads the codes: staging copies them
+            return pick_path<KV, KV, prep_fp16<KV>, copy_row<KV>, chunk_fp16<KV>, chunk_fp16<KV>>();
+#endif
     if (attention_isa() >= 3 && head_dim % 16 == 0) {
         *unscale = UNSCALE<KV>;  // the staged loop widens with the same load16: short by as much
         return pick_path<KV, float, prep_avx512<KV>, widen_avx512<KV>, chunk_avx512<KV>, chunk_avx512<W>>();

@@ -39,7 +39,8 @@ class ComputePaths:
 
     def describe(self) -> str:
         kernels = f"compiled ({self.kernels})" if self.compiled else f"none ({self.kernels})"
-        attention = f"paged kernel ({self.attention_isa})" if self.attention == "kernel" else "torch gather + SDPA"
+        isa = self.attention_isa + (": fp8 KV multiplied in float16" if self.attention_isa == "avx512fp16" else "")
+        attention = f"paged kernel ({isa})" if self.attention == "kernel" else "torch gather + SDPA"
         matmul = "oneDNN packed weights" if self.float_matmul == "onednn" else "F.linear"
         stack = "whole-stack call where the model takes it" if self.decode_stack else "layer by layer"
         return f"kernels {kernels}; float matmuls {matmul}; attention {attention}; decode steps {stack}"
