@@ -80,7 +80,7 @@ def main() -> None:
                              "dtype's own error)")
     parser.add_argument("--kv-dtype", nargs="+", choices=list(DTYPES), default=[d for d in DTYPES if d != "float32"])
     parser.add_argument("--kernel-isa", type=int, default=-1,
-                        help="the attention kernel's path, at most: 4 avx512fp16 (the 1-byte types multiply in float16), "
+                        help="the attention kernel's path, at most: 4 avx512fp16 (fp8 multiplies in float16), "
                              "3 avx512, 2 avx2, 0 portable; -1 the best the CPU has (what serving runs)")
     args = parser.parse_args()
     lib = kernels.library()

@@ -155,7 +155,7 @@ def attention_isa() -> str:
     lib = library()
     if lib is None:
         return "torch-reference"
-    # avx512fp16: the 1-byte KV types (fp8, int8) multiply in float16 there, the others as on avx512
+    # avx512fp16: fp8 KV multiplies in float16 there (fp8_in_float16), every other type as on avx512
     return {4: "avx512fp16", 3: "avx512", 2: "avx2"}.get(lib.brisk_paged_attention_isa(), "portable")
 
 
