@@ -7,6 +7,10 @@ block tables scattered over the pool as the KV manager hands them out. Compares,
   torch    the reference path: index_select the context out of the cache, SDPA on the copy
   bound    the time to read the rows' K/V bytes once at the machine's measured read bandwidth
            (per KV dtype: its own bytes, int8's scales included)
+  bare read  a C loop (compiled here with the system gcc) that only reads the lines the kernel reads,
+           in its order (rows in parts of 512 positions, chunks of 32 positions for the 1-byte types and
+           16 for the wider ones, the next chunk prefetched): what the layout alone costs, no arithmetic
+           (decode rows only)
 
 for each KV cache dtype (--kv-dtype, default all of them; the kernel reads each in place).
 
@@ -57,6 +61,79 @@ def timed(fns: dict, repeat: int) -> dict[str, list[float]]:
             fns[name]()
             times[name].append(time.perf_counter() - t)
     return times
+
+
+C_BARE_READ = r"""
+#include <stdint.h>
+#include <omp.h>
+/* Reads every 64-byte line of each row's K and V slots (and int8's scales) the way the paged kernel
+   walks them: items of part_tokens positions handed out dynamically, chunks of `span` positions
+   across blocks, the next chunk's lines prefetched before this one's are read. */
+static void lines(const char* p, int64_t bytes, uint64_t* sum) {
+    for (int64_t b = 0; b < bytes; b += 64) *sum += *(const volatile uint64_t*)(p + b);
+}
+static void fetch(const char* p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+uint64_t bare_read(const char* k, const char* v, const char* ks, const char* vs, int64_t scale_bytes,
+                   const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t rows,
+                   int64_t block_size, int64_t row_bytes, int64_t span, int64_t part_tokens) {
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
+    const int64_t parts = (longest + part_tokens - 1) / part_tokens;
+    if (span < block_size) span = block_size;
+    uint64_t total = 0;
+    #pragma omp parallel for schedule(dynamic, 1) reduction(+ : total)
+    for (int64_t i = 0; i < rows * parts; i++) {
+        const int64_t r = i / parts, start = (i % parts) * part_tokens;
+        const int64_t end = start + part_tokens < lens[r] ? start + part_tokens : lens[r];
+        const int32_t* table = tables + r * max_blocks;
+        uint64_t sum = 0;
+        for (int64_t pos = start; pos < end; pos += span) {
+            for (int pass = 0; pass < 2; pass++) {  /* 0: prefetch the next chunk; 1: read this one */
+                const int64_t from = pass ? pos : pos + span, to = from + span < end ? from + span : end;
+                for (int64_t t = from; t < to; t++) {
+                    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+                    if (pass) {
+                        lines(k + slot * row_bytes, row_bytes, &sum);
+                        lines(v + slot * row_bytes, row_bytes, &sum);
+                    } else {
+                        fetch(k + slot * row_bytes, row_bytes);
+                        fetch(v + slot * row_bytes, row_bytes);
+                    }
+                    if (pass && ks) {  /* int8: the slot's scales */
+                        sum += *(const volatile uint32_t*)(ks + slot * scale_bytes);
+                        sum += *(const volatile uint32_t*)(vs + slot * scale_bytes);
+                    }
+                }
+            }
+        }
+        total += sum;
+    }
+    return total;
+}
+"""
+
+
+def bare_reader():
+    """The C loop above, compiled with the system gcc into a temporary library; None without gcc."""
+    import ctypes
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:  # (the loaded library outlives its file)
+        src, lib = os.path.join(tmp, "bare_read.c"), os.path.join(tmp, "bare_read.so")
+        with open(src, "w") as f:
+            f.write(C_BARE_READ)
+        try:
+            subprocess.run(["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", src, "-o", lib], check=True,
+                           capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        fn = ctypes.CDLL(lib).bare_read
+    fn.restype = ctypes.c_uint64
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + \
+        [ctypes.c_int64] * 5
+    return fn
 
 
 def filled_cache(args, num_slots: int, kv, huge_pages: bool = True) -> PagedKVCache:
@@ -171,6 +248,19 @@ def main() -> None:
         small = filled_cache(args, num_blocks * bs, DTYPES[first], huge_pages=False)
         paths[(first, f"kernel {served} 4 KB pages")] = kernel(small, -1)
     paths[(first, "torch (gather+SDPA)")] = lambda: torch_path._gathered_decode(q, 0, None)
+    reader = None if args.chunk else bare_reader()
+    if reader is not None:  # the layout's own cost: the kernel's reads, in its order, no arithmetic
+        def bare(cache: PagedKVCache):
+            kv = cache.dtype
+            ks, vs = cache.scales(0)
+            row_bytes = args.kv_heads * args.head_dim * cache.k.element_size()
+            return lambda: reader(cache.k[0].data_ptr(), cache.v[0].data_ptr(),
+                                  ks.data_ptr() if ks is not None else None, vs.data_ptr() if vs is not None else None,
+                                  args.kv_heads * 4, table_t.data_ptr(), table_t.shape[1], lens.data_ptr(),
+                                  args.rows, bs, row_bytes, 32 if kv.element_bytes == 1 else 16,
+                                  kernels.PART_TOKENS)
+        for name, cache in caches.items():
+            paths[(name, "bare read (no arithmetic)")] = bare(cache)
     times = timed(paths, args.repeat)
     # Each dtype's two builds alternate in rounds of their own, after the table's rounds. Among every
     # other path a call's time depends on the calls before it: on a 2-core AVX-512 host two
