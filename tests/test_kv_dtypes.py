@@ -161,13 +161,13 @@ def ragged_case(kv, heads: int, kv_heads: int, dim: int, bs: int, lengths: list[
 
 
 def scored_query(lib, q: torch.Tensor, scale: float, kv) -> torch.Tensor:
-    """The scaled query, in float64, as the path the kernel runs scores with it: AVX2's int8 loop
-    rounds each head's to int16 codes (its largest element to 32767, ties to even) and scores them
-    against the int8 codes in integers; every other path takes it as it is. The AVX2 loop takes
-    head_dims that are multiples of 8; on an AVX-512 CPU, those that are not multiples of 16."""
+    """The scaled query, in float64, as the path the kernel runs scores with it: the AVX2 and AVX-512
+    int8 loops round each head's to int16 codes (its largest element to 32767, ties to even) and
+    score them against the int8 codes in integers; the portable loop (and every other dtype) takes it
+    as it is. The SIMD loops take head_dims that are multiples of 8."""
     qs = q * scale  # float32, as the kernel's prep
     isa, dim = lib.brisk_paged_attention_isa(), q.shape[-1]
-    if kv is not INT8 or dim % 8 or not (isa == 2 or (isa >= 3 and dim % 16)):
+    if kv is not INT8 or dim % 8 or isa < 2:
         return qs.double()
     step = qs.abs().amax(-1, keepdim=True) / 32767
     step = torch.where(step > 0, step, torch.ones_like(step))
@@ -252,10 +252,11 @@ def test_fp8_in_float16_stays_in_range_at_the_extremes(lib, kv, q_size):
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))
-@pytest.mark.parametrize("dim", [8, 40, 72])
-def test_int8_at_head_dims_not_a_multiple_of_16(lib, isa, dim):
-    """AVX2's integer scores take 16 elements at a time: a head_dim that leaves 8 over (or is 8) reads
-    only its own 8 codes and query codes there, for every head including the last."""
+@pytest.mark.parametrize("dim", [8, 40, 72, 16, 48, 80])
+def test_int8_at_head_dims_that_leave_part_of_a_vector(lib, isa, dim):
+    """AVX2's integer scores take 16 elements at a time, AVX-512's 32: a head_dim that leaves 8 over (or
+    is 8) on AVX2, or 16 (or is 16) on AVX-512, reads only its own codes and query codes there, for
+    every head including the last."""
     lib.brisk_paged_attention_force_isa(isa)
     lib.brisk_paged_attention_staged(1)
     bs = 8

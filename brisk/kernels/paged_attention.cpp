@@ -21,8 +21,8 @@
 //
 // Narrow elements are widened to float32 in registers as they are loaded (no dequantized copy);
 // an int8 row's scale multiplies its score (K) or its softmax weight (V), never the elements. The
-// AVX2 loop scores int8 K without widening it to float: the query, rounded to int16 per head, meets
-// the codes in integer multiply-adds (scores_heads_i8).
+// AVX2 and AVX-512 loops score int8 K without widening it to float: the query, rounded to int16 per
+// head, meets the codes in integer multiply-adds (scores_heads_i8, score_group16_i8).
 //
 // Plain C ABI, loaded with ctypes (brisk/kernels/__init__.py). An AVX-512 item loop (head_dim a
 // multiple of 16) or an AVX2+FMA+F16C one (a multiple of 8) is picked at run time; other CPUs and
@@ -779,12 +779,64 @@ AVX512 void v_heads16(float* acc, int64_t D, const KV* vh, const int64_t* slots,
     for (; v0 < V; v0++) accumulate_v16<KV, GS, 1>(acc + 16 * v0, D, vh + 16 * v0, slots, p, n, stride, corr);
 }
 
+// int8 K on AVX-512, as on AVX2 (QCodes): the query as int16 codes per head (prep_avx512), 32 of K's codes
+// sign-extended to int16 in one instruction meet them in vpmaddwd, and the int32 sums are exact; a score is
+// the head's step x the position's K scale x its integer sum. Where widening to float took 2 instructions
+// per 16 codes and a multiply-add per head, this takes 1 per 32 and 2 per head. A head_dim that is a
+// multiple of 16, not of 32, reads its last 16 codes alone (the upper lanes 0: whatever follows the query's
+// codes adds nothing). On a 2-core AVX-512 Xeon against widened float scores (decode_attention.py
+// --baseline-lib): decode rows 1.04-1.08x (scattered, cache read cold, and in order), prompt tiles 1.43x
+// (--chunk 256 --rows 512: the tiles, no longer staged, widen nothing for their scores); the engine's decode
+// with int8 KV 1.05x (kv_decode.py, 16 x 2,000 tokens); kv_accuracy.py's int8 KL 7.36e-4 against 7.28e-4.
+template <int GS>
+AVX512 void score_group16_i8(const float* qs, int64_t D, const int8_t* kh, const int64_t* slots, int64_t n,
+                             int64_t stride, const float* ks, int64_t g0, float (*s)[CHUNK],
+                             NextChunkPrefetch& prefetch) {
+    const int16_t* codes[GS];
+    float step[GS];
+    for (int g = 0; g < GS; g++) {
+        const QCodes c = qcodes(qs + (g0 + g) * D, D);
+        codes[g] = c.codes;
+        step[g] = c.step;
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int8_t* rows8[8];
+        for (int j = 0; j < 8; j++) rows8[j] = kh + slots[std::min<int64_t>(t0 + j, n - 1)] * stride;
+        __m512i d[GS][8];
+        for (int g = 0; g < GS; g++)
+            for (int j = 0; j < 8; j++) d[g][j] = _mm512_setzero_si512();
+        for (int64_t e = 0; e < D; e += 32) {
+            const bool half = e + 32 > D;
+            __m512i q[GS];
+            for (int g = 0; g < GS; g++) q[g] = _mm512_loadu_si512(codes[g] + e);
+            for (int j = 0; j < 8; j++) {
+                const __m512i k = half ? _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(bytes16(rows8[j] + e)))
+                                       : _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows8[j] + e)));
+                for (int g = 0; g < GS; g++) d[g][j] = _mm512_add_epi32(d[g][j], _mm512_madd_epi16(q[g], k));
+            }
+        }
+        for (int g = 0; g < GS; g++) {
+            __m256i h[8];
+            for (int j = 0; j < 8; j++)
+                h[j] = _mm256_add_epi32(_mm512_castsi512_si256(d[g][j]), _mm512_extracti64x4_epi64(d[g][j], 1));
+            const __m256 sums = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8x8_epi32(h)), _mm256_set1_ps(step[g])),
+                                              _mm256_load_ps(ks + t0));
+            store_scores<1>(s, g0 + g, t0, sums, n - t0);
+            prefetch.k_step();
+        }
+    }
+}
+
 // The scores of heads g0 .. g0 + GS - 1 of one KV head over the chunk, 8 positions at a time, into s
 // (times ks, int8's K scales). Each K vector is widened once for the GS heads; a (head, position)
 // score takes the same operations whatever GS is: one FMA chain over head_dim, fold16, hsum8x8.
 template <typename KV, int GS>
 AVX512 void score_group16(const float* qs, int64_t D, const KV* kh, const int64_t* slots, int64_t n, int64_t stride,
                           const float* ks, int64_t g0, float (*s)[CHUNK], NextChunkPrefetch& prefetch) {
+    if constexpr (std::is_same<KV, int8_t>::value) {
+        score_group16_i8<GS>(qs, D, kh, slots, n, stride, ks, g0, s, prefetch);
+        return;
+    }
     const int64_t V = D / 16;
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const KV* rows8[8];
@@ -849,6 +901,19 @@ __attribute__((target(AVX512_TARGET))) void prep_avx512(
         for (int64_t v = 0; v < V; v++) {
             _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_setzero_ps());
             _mm512_storeu_ps(qs + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * v), scale));
+        }
+        if constexpr (std::is_same<KV, int8_t>::value) {  // the head's int16 codes and step, in place (QCodes)
+            float* h = qs + g * D;
+            __m512 amax16 = _mm512_setzero_ps();
+            for (int64_t v = 0; v < V; v++) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(h + 16 * v)));
+            const float amax = _mm512_reduce_max_ps(amax16);
+            const __m512 step = _mm512_set1_ps(amax > 0.f ? amax / 32767.f : 1.f);
+            alignas(64) int16_t codes[MAX_DIM];
+            for (int64_t v = 0; v < V; v++)  // round to nearest (even), as the AVX2 prep does
+                _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 16 * v),
+                                   _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(h + 16 * v), step))));
+            std::memcpy(h, codes, D * sizeof(int16_t));
+            h[D / 2] = _mm512_cvtss_f32(step);
         }
     }
 }
@@ -966,8 +1031,8 @@ __attribute__((target(AVX512_TARGET))) void chunk_avx512(
 //     AVX2 and AVX-512 float32 loops are from each other (mean KL 6.5e-3 against 5.3e-3 on an e4m3 cache:
 //     K/V rounded to fp8 turn any small change into a different code later), and each path's KL against
 //     float32 KV falls within the float32 loops' spread (RESULTS.md). test_kv_dtypes.py holds the kernel
-//     to float64 attention within a bound. int8 keeps the float32 loop: its codes are finer, and float16
-//     bought it 1.04x.
+//     to float64 attention within a bound. int8 keeps its own loop (integer scores, float32 V sums): its
+//     codes are finer, and float16 bought it 1.04x.
 // The softmax, the running max and sum and the sums across chunks stay float32. The intrinsics need GCC 12
 // or clang 14: an older compiler builds the kernels without this loop.
 #if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12)
@@ -1341,8 +1406,8 @@ void tile_item(const Args& a, int64_t row0, int64_t nrows, const int64_t* start,
 // runs the same loop on it. It takes the same chunks as the in-place item and the loop gets the
 // same float32 values (widening is exact; int8 keeps its scales apart, applied as the in-place
 // loop applies them), so a row's result is bit for bit the same on both: a tile may take one and a
-// lone row the other. AVX2's int8 loop reads the codes themselves (integer scores), so its staged
-// buffer holds the codes as they are (copy_row) and staging is off by default there.
+// lone row the other. The AVX2 and AVX-512 int8 loops read the codes themselves (integer scores), so
+// their staged buffer holds the codes as they are (copy_row) and staging is off by default there.
 
 struct scaled_f32 {  // int8 widened, its scales still to apply
     float v;
@@ -1384,7 +1449,8 @@ __attribute__((target(AVX512_TARGET))) void widen_avx512(const KV* src, int64_t 
     for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 }
 
-// a chunk copied as it is: the staged type of a path whose loop reads KV's codes themselves (AVX2's int8)
+// a chunk copied as it is: the staged type of a path whose loop reads KV's codes themselves (int8 on AVX2
+// and AVX-512, fp8 in float16)
 template <typename KV>
 void copy_row(const KV* src, int64_t d, KV* dst) {
     std::memcpy(dst, src, d * sizeof(KV));
@@ -1488,7 +1554,7 @@ int attention_isa() {
 }
 
 // 0: never staged; 1: tiles staged, lone rows in place (the default; except where staging is only a
-// copy: float32, and AVX2's int8, whose loop reads the codes themselves); 2: always staged. Tests and
+// copy: float32, and int8 on AVX2 and AVX-512, whose loops read the codes themselves); 2: always staged. Tests and
 // benchmarks set it; every mode gives the same bits.
 int staged_mode = 1;
 
@@ -1516,7 +1582,10 @@ ItemFn pick_kv(int64_t head_dim, float* unscale) {
 #endif
     if (attention_isa() >= 3 && head_dim % 16 == 0) {
         *unscale = UNSCALE<KV>;  // the staged loop widens with the same load16: short by as much
-        return pick_path<KV, float, prep_avx512<KV>, widen_avx512<KV>, chunk_avx512<KV>, chunk_avx512<W>>();
+        if constexpr (std::is_same<KV, int8_t>::value)  // scores from the codes (score_group16_i8)
+            return pick_path<KV, KV, prep_avx512<KV>, copy_row<KV>, chunk_avx512<KV>, chunk_avx512<KV>>();
+        else
+            return pick_path<KV, float, prep_avx512<KV>, widen_avx512<KV>, chunk_avx512<KV>, chunk_avx512<W>>();
     }
     if (attention_isa() >= 2 && head_dim % 8 == 0) {
         *unscale = UNSCALE<KV>;  // the staged loop widens with the same load8: short by as much
