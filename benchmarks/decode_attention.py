@@ -81,7 +81,7 @@ uint64_t bare_read(const char* k, const char* v, const char* ks, const char* vs,
     int64_t longest = 1;
     for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
     const int64_t parts = (longest + part_tokens - 1) / part_tokens;
-    if (span < block_size) span = block_size;
+    if (span < block_size) span = block_size < 32 ? block_size : 32;  /* a block's, at most 32, as the kernel */
     uint64_t total = 0;
     #pragma omp parallel for schedule(dynamic, 1) reduction(+ : total)
     for (int64_t i = 0; i < rows * parts; i++) {
