@@ -1531,8 +1531,6 @@ void tile_or_row(const Args& a, int64_t row0, int64_t nrows, const int64_t* star
     (nrows > 1 ? Staged : InPlace)(a, row0, nrows, start, end, state, cursor);
 }
 
-using ItemFn = ItemFnT;
-
 // -1: the best the CPU has; else at most 0 portable, 2 avx2, 3 avx512, 4 avx512 + avx512fp16 (tests pin a path)
 int forced_isa = -1;
 
@@ -1562,7 +1560,7 @@ template <typename KV, typename W, void (*Prep)(const Args&, int64_t, float*, fl
           void (*Widen)(const KV*, int64_t, W*),
           void (*InPlaceChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&),
           void (*WidenedChunk)(const Args&, const float*, float*, float*, float*, const int64_t*, int64_t, NextChunkPrefetch&)>
-ItemFn pick_path() {
+ItemFnT pick_path() {
     const int mode = std::is_same<KV, W>::value && staged_mode == 1 ? 0 : staged_mode;
     if (mode == 2) return staged_item<KV, W, Prep, Widen, WidenedChunk>;
     if (mode == 1)
@@ -1572,7 +1570,7 @@ ItemFn pick_path() {
 
 // *unscale: the factor the path's V sums are short of the true ones by (the merge applies it)
 template <typename KV>
-ItemFn pick_kv(int64_t head_dim, float* unscale) {
+ItemFnT pick_kv(int64_t head_dim, float* unscale) {
     using W = Widened<KV>;
     *unscale = 1.f;
 #if BRISK_FP16_LOOP
@@ -1597,7 +1595,7 @@ ItemFn pick_kv(int64_t head_dim, float* unscale) {
     return pick_path<KV, float, prep_portable, widen_portable<KV>, chunk_portable<KV>, chunk_portable<W>>();
 }
 
-ItemFn pick(int kv_dtype, int64_t head_dim, float* unscale) {
+ItemFnT pick(int kv_dtype, int64_t head_dim, float* unscale) {
     switch (kv_dtype) {
         case kvt::F32: return pick_kv<float>(head_dim, unscale);
         case kvt::BF16: return pick_kv<bf16_t>(head_dim, unscale);
@@ -1639,7 +1637,7 @@ int brisk_paged_decode_attention(const float* q, const void* k_cache, const void
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 3;
     if (num_heads > MAX_HEADS) return 2;
     float unscale = 1.f;
-    const ItemFn fn = pick(kv_dtype, head_dim, &unscale);
+    const ItemFnT fn = pick(kv_dtype, head_dim, &unscale);
     if (fn == nullptr) return 4;
     if (kv_dtype == kvt::I8 && (k_scale == nullptr || v_scale == nullptr)) return 5;
     call_generation.fetch_add(1, std::memory_order_relaxed);
