@@ -38,7 +38,7 @@ serve: setup
 	$(VENV)/bin/brisk serve --host $(HOST) --port $(PORT)
 
 test: setup $(LLAMACPP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -rs --durations=25
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info brisk/kernels/_*.so*

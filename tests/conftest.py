@@ -59,3 +59,14 @@ def hf_reference(demo_gguf_path):
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(demo_gguf_path.parent, **kwargs)
     return model, tokenizer
+
+
+
+def pytest_sessionstart(session):
+    """The CPU and the kernel paths it runs, at the top of every run (even with -q): a CI log says which ISA
+    paths ran (the tests pinned to a path this CPU lacks are skipped, with that reason, in the -rs summary)."""
+    from isa_paths import report
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(report())

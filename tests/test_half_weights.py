@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from isa_paths import force_matmul
 from brisk import kernels
 from brisk.errors import BriskError
 from brisk.loading import memory_plan
@@ -28,9 +29,7 @@ SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 37), (6, 33, 100), (17, 68, 2048)]  # K t
 def forced_isa(request):
     lib = kernels.library()
     isa = PATHS[request.param]
-    if isa > lib.brisk_kernels_isa():
-        pytest.skip(f"this CPU has no {request.param} path")
-    lib.brisk_kernels_force_isa(isa)
+    force_matmul(lib, isa)
     yield isa
     lib.brisk_kernels_force_isa(-1)
 

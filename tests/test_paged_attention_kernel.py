@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from isa_paths import ATTENTION_PATHS, force_attention
 from kv_blocks import scattered
 from brisk.errors import BriskError
 from brisk import kernels
@@ -60,14 +61,14 @@ def test_context_slots_expand_block_tables_like_the_per_token_reference():
     assert no_mask is None and one.tolist() == slots[0, :lengths[0]].tolist()
 
 
-ISAS = {0: "portable", 2: "avx2", 3: "avx512"}
+ISAS = {k: v for k, v in ATTENTION_PATHS.items() if k <= 3}  # float32/bfloat16 run the same loops at 4
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 16), (8, 8, 128, 16), (32, 4, 64, 7), (4, 1, 80, 1)])
 def test_kernel_matches_gathered_sdpa(lib, isa, dtype, heads, kv_heads, dim, bs):
-    lib.brisk_paged_attention_force_isa(isa)  # at most what the CPU has: a missing ISA runs the best one it has
+    force_attention(lib, isa)
     rng = random.Random(heads * 1000 + bs)
     lengths = [1, bs, bs + 1, 3 * bs] + [rng.randint(1, 1200) for _ in range(6)]
     num_blocks = sum(-(-n // bs) + 1 for n in lengths) + 2
@@ -224,7 +225,7 @@ def test_prompt_rows_in_tiles_are_each_row_alone(lib, isa, dtype, window):
     context together in tiles; each row's result is bit for bit the one it gets alone as a decode
     row, wherever the chunk starts (so a cached prefix changes nothing), across part boundaries
     and windows, and it matches the float64 reference."""
-    lib.brisk_paged_attention_force_isa(isa)
+    force_attention(lib, isa)
     bs, heads, kv_heads, dim = 16, 8, 2, 64
     total = 1100  # the prompt; chunks of it below start at 0, mid-block and just before a part edge
     num_blocks = -(-total // bs) + 3
@@ -254,7 +255,7 @@ def test_prompt_rows_in_tiles_are_each_row_alone(lib, isa, dtype, window):
 def test_soft_capped_scores_match_the_eager_reference(lib, isa):
     """Gemma 2's soft-capping (cap * tanh(score / cap) before the softmax) in the kernel: against
     the eager float64 math transformers runs, with scores large enough that the cap bites."""
-    lib.brisk_paged_attention_force_isa(isa)
+    force_attention(lib, isa)
     bs, heads, kv_heads, dim, cap = 16, 8, 4, 64, 5.0
     lengths = [1, 17, 300, 1030]
     num_blocks = sum(-(-n // bs) + 1 for n in lengths) + 2

@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from isa_paths import force_matmul
 from test_dequant import _random_blocks
 
 from brisk import kernels
@@ -49,13 +50,16 @@ def random_blocks(bits, has_mins, n, k, seed=0):
 ISA_LEVELS = {"avx512vnni": 3, "avx2": 2, "scalar": 0}
 
 
+def matmul_paths_here() -> list[int]:
+    """Every matmul path this CPU runs, best first (at least avx2 and the portable loop)."""
+    return [level for level in (3, 2, 0) if level <= ISA_LEVELS[kernels.isa()]]
+
+
 @pytest.fixture(params=list(ISA_LEVELS))
 def isa(request):
     lib = kernels.library()
     assert lib is not None, "the compiled kernels are missing: `make` builds them"
-    if ISA_LEVELS[kernels.isa()] < ISA_LEVELS[request.param]:
-        pytest.skip(f"this CPU has no {request.param}")
-    lib.brisk_kernels_force_isa(ISA_LEVELS[request.param])
+    force_matmul(lib, ISA_LEVELS[request.param])
     yield request.param
     lib.brisk_kernels_force_isa(-1)
 
@@ -181,11 +185,9 @@ def test_tiled_vnni_kernel_is_the_avx2_kernel_bit_for_bit(bits, has_mins):
     must agree with AVX2 bit for bit, so a model's outputs do not depend on which of these CPUs
     serves it, nor on which loop a row count picks. The portable loops take the same steps too."""
     lib = kernels.library()
-    if kernels.isa() != "avx512vnni":
-        pytest.skip("this CPU has no AVX-512 VNNI")
     qweight, scales, mins = random_blocks(bits, has_mins, 72, 2048, seed=5)  # 9 tiles: 4 pairs and one alone
     tiled = TILERS[bits](qweight, scales, mins)
-    paths = (3, 2, 0)
+    paths = matmul_paths_here()  # avx2 and portable on every CPU, avx512vnni where it exists
     try:
         for rows in (1, 3, 4, 7, 8, 9, 17, 64):  # the one-tile loop below 8 rows, tile pairs from 8
             x = torch.randn(rows, 2048) * 2
@@ -352,8 +354,6 @@ def test_iq4_kernel_computes_gguf_weights_on_every_path(isa, qtype, k):
 @pytest.mark.parametrize("qtype", list(K_QUANTS) + list(IQ4_TYPES))
 def test_k_quant_paths_agree_bit_for_bit_alone_or_batched(qtype):
     lib = kernels.library()
-    if kernels.isa() != "avx512vnni":
-        pytest.skip("this CPU has no AVX-512 VNNI")
     if qtype in IQ4_TYPES:
         bits, (_, tiled, sub, _) = kernels.IQ4, _iq4(qtype, 72, 1024, seed=5)
     else:
@@ -362,14 +362,14 @@ def test_k_quant_paths_agree_bit_for_bit_alone_or_batched(qtype):
     x[3] = 127.0  # every activation at the int8 extreme (the int6 zero point's largest correction)
     try:
         results = []
-        for path in (3, 2, 0):
+        for path in matmul_paths_here():
             lib.brisk_kernels_force_isa(path)
             together = kernels.quant_matmul(x, *tiled, bits, subscales=sub)
             for r in (0, 3, 4, 18):
                 assert torch.equal(kernels.quant_matmul(x[r:r + 1].contiguous(), *tiled, bits, subscales=sub)[0],
                                    together[r])
             results.append(together)
-        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+        assert all(torch.equal(results[0], other) for other in results[1:])
     finally:
         lib.brisk_kernels_force_isa(-1)
 
