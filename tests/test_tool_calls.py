@@ -84,6 +84,30 @@ def test_streamed_tool_calls_match_non_stream(client):
     assert calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
 
 
+def test_streamed_calls_have_one_entry_per_call_per_chunk(client):
+    """As OpenAI streams them: a chunk carries at most one entry per call index (a step's fragments merged
+    into it), so a client that reads `delta.tool_calls[0]` of each chunk rebuilds the call, and so does the
+    SDK's own accumulator (`chat.completions.stream`)."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    want = [(c.function.name, c.function.arguments) for c in whole]
+    assert len(want) == 1 and len(want[0][1]) > 10
+    naive, entries = {"name": "", "arguments": ""}, 0
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            calls = c.delta.tool_calls or []
+            assert len({d.index for d in calls}) == len(calls), calls
+            entries += len(calls)
+            if calls:  # the naive loop: the first entry only
+                naive["name"] += calls[0].function.name or ""
+                naive["arguments"] += calls[0].function.arguments or ""
+    assert (naive["name"], naive["arguments"]) == want[0] and entries >= 3
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in final] == want
+
+
 def test_auto_returns_content_or_valid_calls(client):
     for stream in (False, True):
         kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=80)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from brisk.engine.outputs import RequestOutput
 from brisk.server.context_guard import GuardResult
 from brisk.server.reasoning import ReasoningSplitter
-from brisk.structured.tools import ToolCallParser, ToolDelta, ToolPlan
+from brisk.structured.tools import ToolCallParser, ToolDelta, ToolPlan, merged
 
 _TIMING_KEYS = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")
 
@@ -172,7 +172,7 @@ class ChatFormatter(Formatter):
         if content:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = [c.as_openai() for c in calls]
+            delta["tool_calls"] = [c.as_openai() for c in merged(calls)]
         chunks = self._stream_chunk(index, out, body, bool(delta), lambda: {
             "delta": delta, "logprobs": self._logprobs(_delta_logprobs(out))})
         if out.finished and chunks:

@@ -211,6 +211,21 @@ class ToolDelta:
         return out
 
 
+def merged(deltas: list[ToolDelta]) -> list[ToolDelta]:
+    """The deltas of one step as OpenAI streams them: at most one per call index, in the order the calls
+    first appear, a call's start (id and name) kept with its argument fragments joined. A client that
+    reads `delta.tool_calls[0]` of each chunk then sees every fragment."""
+    by_index: dict[int, ToolDelta] = {}
+    for d in deltas:
+        held = by_index.get(d.index)
+        if held is None:
+            by_index[d.index] = ToolDelta(d.index, d.id, d.name, d.arguments)
+        else:
+            held.id, held.name = held.id or d.id, held.name or d.name
+            held.arguments += d.arguments
+    return list(by_index.values())
+
+
 _WS = " \t\r\n"
 
 
