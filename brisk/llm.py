@@ -46,7 +46,8 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run all prompts to completion with continuous batching; outputs in prompt order."""
+        """Run all prompts to completion with continuous batching; outputs in prompt order. A request whose own
+        work failed (RequestOutput.error) ends with finish_reason "error"; the others complete."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):

@@ -38,6 +38,10 @@ class RequestError(ParamError, BriskError):
     """A request the engine cannot take (too long, bad token ids); names the field."""
 
 
+class GrammarRejectedError(RuntimeError):
+    """A sampled token the request's grammar does not accept: the request cannot be continued."""
+
+
 @dataclass
 class _Pending:
     """Text decoded but not yet released (it may be the start of a stop string)."""
@@ -110,6 +114,7 @@ class LLMEngine:
         self._pending: dict[str, _Pending] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_failed_requests: dict[str, int] = {}  # reason -> requests ended by an error of their own
         # prompt tokens run through the model (prefill; prefix-cache hits excluded, a preempted
         # request's recompute included): what "prompt tok/s" means in the stats line, as in vLLM
         self.num_prompt_tokens = 0
@@ -168,40 +173,93 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run the model, sample, append. A failure in one request's own work (drafting,
+        sampling, detokenizing, stop strings, its grammar or tool-call reader) ends that request with an
+        error output and frees its blocks; the others go on. Only the shared forward may raise."""
+        failed: list[RequestOutput] = []
         if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running)
+            self._propose(failed)
         out = self.scheduler.schedule()
         if not out.chunks:
-            return []
+            return failed
         if self.drafter is not None:
             self.drafter.draft(out.chunks)
-        sampled, samples = self.runner.execute(out.chunks)
+        rows = self.runner.execute(out.chunks)
         for chunk in out.chunks:  # before advance: num_computed_tokens is still where the chunk starts
             prompt_left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
             if prompt_left > 0:
                 self.num_prompt_tokens += min(chunk.num_tokens, prompt_left)
         self.scheduler.advance(out)
         self.num_steps += 1
-        if samples is None:
-            return []
+        if rows is None:
+            return failed
+        return failed + self._sample_and_append(rows)
+
+    def _propose(self, failed: list[RequestOutput]) -> None:
+        """Drafts for the running requests (before scheduling: a request that fails here holds no block of
+        this step)."""
+        for request, error in self.drafter.propose(self.scheduler.running):
+            failed.append(self._fail(request, "internal_error", error))
+
+    def _sample_and_append(self, rows) -> list[RequestOutput]:
+        """Sample every request at once; if that raises, each request by itself (from the same logits and
+        random state), so that only the request whose sampling fails fails."""
+        states = self.runner.sampler.random_states(rows.requests)
+        try:
+            samples = self.runner.sample(rows)
+        except Exception as batch_error:  # noqa: BLE001 - find whose it is: each request alone
+            log.warning("sampling the step's %d requests together failed (%r); sampling each alone",
+                        len(rows.requests), batch_error)
+            self.runner.sampler.restore_random_states(states)
+            outputs = []
+            for request, result in zip(rows.requests, self.runner.sample_each(rows)):
+                if isinstance(result, Exception):
+                    outputs.append(self._fail(request, "internal_error", result))
+                else:
+                    outputs += self._append_samples([request], result)
+            return outputs
+        return self._append_samples(rows.requests, samples)
+
+    def _append_samples(self, sampled: list[Request], samples) -> list[RequestOutput]:
         token_ids = samples.token_ids.tolist()  # the step's one host sync
         extras = None
         if samples.logprobs is not None:
             extras = (samples.logprobs.tolist(), samples.top_ids.tolist(), samples.top_logprobs.tolist())
         now = time.monotonic()
-        if samples.num_rows is None:
-            return [self._append_tokens(request, [token], now, extras, i)
-                    for i, (request, token) in enumerate(zip(sampled, token_ids))]
+        num_rows = samples.num_rows or [1] * len(sampled)
+        num_emitted = samples.num_emitted or [1] * len(sampled)
         outputs, row = [], 0
-        for request, num_rows, num_emitted in zip(sampled, samples.num_rows, samples.num_emitted):
-            if num_rows > 1:  # booked first: a final output's metrics include this step's draft
-                self.spec_stats.record(num_rows - 1, num_emitted - 1)
-                request.spec.record(num_rows - 1, num_emitted - 1, self.spec_config.min_acceptance_rate)
-            outputs.append(self._append_tokens(request, token_ids[row:row + num_emitted], now, extras, row))
-            if num_rows > 1:
-                self._verified(request)
-            row += num_rows
+        for request, rows, emitted in zip(sampled, num_rows, num_emitted):
+            try:
+                if rows > 1:  # booked first: a final output's metrics include this step's draft
+                    self.spec_stats.record(rows - 1, emitted - 1)
+                    request.spec.record(rows - 1, emitted - 1, self.spec_config.min_acceptance_rate)
+                outputs.append(self._append_tokens(request, token_ids[row:row + emitted], now, extras, row))
+                if rows > 1:
+                    self._verified(request)
+            except GrammarRejectedError as e:
+                outputs.append(self._fail(request, "grammar_rejected", str(e)))
+            except Exception as e:  # noqa: BLE001 - this request's own failure: it ends, the others go on
+                outputs.append(self._fail(request, "internal_error", e))
+            row += rows
         return outputs
+
+    def _fail(self, request: Request, reason: str, error: BaseException | str) -> RequestOutput:
+        """End a request with an error its client sees (`reason`: internal_error, grammar_rejected), free its
+        blocks, and log the traceback once."""
+        if isinstance(error, BaseException):
+            log.error("request %s failed (%s); the other requests go on", request.request_id, reason,
+                      exc_info=error)
+            message = f"an internal error ended request {request.request_id} ({type(error).__name__}); the " \
+                      "server log has the details"
+        else:
+            log.warning("request %s failed (%s): %s", request.request_id, reason, error)
+            message = f"request {request.request_id}: {error}"
+        request.error = (reason, message)
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self._forget(request.request_id)
+        self.num_failed_requests[reason] = self.num_failed_requests.get(reason, 0) + 1
+        return self._output(request, "", [])
 
     def _verified(self, request: Request) -> None:
         """After a verified draft, a request still running keeps the K/V of its accepted drafts
@@ -275,12 +333,14 @@ class LLMEngine:
 
     @staticmethod
     def _grammar_done(request: Request, token: int) -> bool:
-        """Advance the sequence's grammar; True once it admits no further token (the output is complete)."""
+        """Advance the sequence's grammar; True once it admits no further token (the output is complete).
+        A token the grammar rejects (its mask allowed it: a bug in the grammar library) raises
+        GrammarRejectedError: the request fails with that reason, never a reply that looks complete."""
         matcher = request.grammar
-        if not matcher.consume_token(token):  # the mask forbids this; only a bug gets here
-            log.warning("request %s: token %d rejected by its grammar (%s); ending it", request.request_id,
-                        token, matcher.get_error())
-            return True
+        if not matcher.consume_token(token):
+            why = (matcher.get_error() or "").strip().splitlines()
+            raise GrammarRejectedError(f"the grammar rejected token {token}, which its own mask allowed"
+                                       f"{f' ({why[0][:200]})' if why else ''}; the reply cannot go on")
         return matcher.is_stopped()
 
     def _output(self, request: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
@@ -301,6 +361,7 @@ class LLMEngine:
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             metrics=self._metrics(request) if whole else {}, num_output_tokens=request.num_output_tokens,
             delta_logprobs=delta_logprobs, text_offset=len(request.output_text) - len(delta_text),
+            error=request.error,
         )
 
     @staticmethod

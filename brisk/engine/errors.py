@@ -3,3 +3,12 @@
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (an error, or shutdown); open requests are ended with it."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request ended by a failure of its own (its sampling, detokenizing, grammar or tool-call reader
+    raised): the engine goes on serving the others. `reason`: internal_error or grammar_rejected."""
+
+    def __init__(self, request_id: str, reason: str, message: str):
+        super().__init__(message)
+        self.request_id, self.reason, self.message = request_id, reason, message

@@ -80,9 +80,10 @@ class ModelRunner:
         return batch.input_ids, batch.positions, batch.meta, sample_rows, sample_requests, drafts
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], SamplerOutput | None]:
-        """One forward over all chunks; returns the requests that sampled and their samples (with
-        drafted tokens: the tokens each request emits after verification)."""
+    def execute(self, chunks: list[ScheduledChunk]) -> "SampleRows | None":
+        """One forward over all chunks; the hidden states of the rows that sample (None: none does).
+        `sample` then turns them into tokens (with drafted tokens: the tokens each request emits after
+        verification)."""
         input_ids, positions, meta, sample_rows, sample_requests, drafts = self._prepare(chunks)
         attention = self.attention(self.kv, meta, self.scale, self.softcap)
         stack = None  # a step of decode rows only: the whole decoder stack in one compiled call
@@ -90,9 +91,42 @@ class ModelRunner:
             stack = functools.partial(self.decode_stack, meta=meta)
         hidden = self.model(input_ids, positions, attention, stack)
         if not sample_requests:
-            return [], None
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return sample_requests, self.sampler(logits, sample_requests, drafts if any(drafts) else None)
+            return None
+        return SampleRows(hidden[sample_rows], sample_requests, drafts)
+
+    @torch.inference_mode()
+    def sample(self, rows: "SampleRows") -> SamplerOutput:
+        """Every sampling request's tokens at once."""
+        logits = self.model.compute_logits(rows.hidden)
+        return self.sampler(logits, rows.requests, rows.drafts if any(rows.drafts) else None)
+
+    @torch.inference_mode()
+    def sample_each(self, rows: "SampleRows") -> list[SamplerOutput | Exception]:
+        """Each request's tokens by itself (or the exception its sampling raised), from logits computed
+        afresh (a batch sampling step that failed may have changed its logits in place): what keeps one
+        request's failure from taking the others down. The logits are the batch's own bits; each request's
+        sampling reads and changes its own rows only."""
+        logits = self.model.compute_logits(rows.hidden)
+        results: list[SamplerOutput | Exception] = []
+        start = 0
+        for request, draft in zip(rows.requests, rows.drafts):
+            end = start + 1 + len(draft)
+            try:
+                results.append(self.sampler(logits[start:end], [request], [draft] if draft else None))
+            except Exception as e:  # noqa: BLE001 - this request's own failure, handed to the engine
+                results.append(e)
+            start = end
+        return results
+
+
+@dataclass
+class SampleRows:
+    """A step's rows that sample: their final hidden states (request i's 1 + len(drafts[i]) rows in turn),
+    the requests and their drafts."""
+
+    hidden: torch.Tensor  # [rows, hidden_size]
+    requests: list[Request]
+    drafts: list[list[int]]
 
 
 def sequence_tokens(req: Request, start: int, end: int) -> list[int]:

@@ -20,7 +20,7 @@ class RequestOutput:
     delta_text: str  # text released by this step
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[str, Any]] | None = None  # (*) one entry per output token, when asked for
     num_cached_prompt_tokens: int = 0
@@ -31,6 +31,9 @@ class RequestOutput:
     # known, e.g. made in another process); the server measures its delivery delay from it
     produced_at: float = 0.0
     text_offset: int = 0  # characters of text released before delta_text (always filled)
+    # finish_reason "error": (reason, message) of the failure that ended this request alone (reason:
+    # internal_error, grammar_rejected); its consumer raises RequestFailedError for it
+    error: tuple[str, str] | None = None
 
 
 def stop_window(stops: list[str]) -> int:

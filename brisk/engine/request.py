@@ -17,11 +17,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its own work failed (Request.error says why); the others went on
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Request:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     detokenizer: Any = None
     stop_reason: str | int | None = None
+    error: tuple[str, str] | None = None  # (reason, message) of a request that ended with FINISHED_ERROR
     grammar: Any = None  # this sequence's grammar matcher (structured outputs), or None
     tool_calls: Any = None  # this sequence's tool-call reader (SamplingParams.tool_plan), or None
     # Speculative decoding: this step's drafted tokens (verified by the target, never part of the

@@ -49,6 +49,20 @@ class Sampler:
             self.request_generators[request.request_id] = gen
         return gen
 
+    def random_states(self, requests: list[Request]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The states of the generators these requests draw from (none for an all-greedy step), so that a
+        step sampled again request by request (after a failure) draws what it would have drawn."""
+        if all(r.params.greedy for r in requests):
+            return []
+        generators = {id(g): g for g in [self.generator] + [self.generator_of(r) for r in requests
+                                                              if r.params.seed is not None]}
+        return [(g, g.get_state()) for g in generators.values()]
+
+    @staticmethod
+    def restore_random_states(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for generator, state in states:
+            generator.set_state(state)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  drafts: list[list[int]] | None = None) -> SamplerOutput:
         """logits: [rows, vocab] float32. Without drafts row i is requests[i]'s next token; with

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from brisk.engine.errors import RequestFailedError
 from brisk.engine.outputs import RequestOutput
 
 
@@ -30,6 +31,8 @@ class RequestStream:
             raise item
         if item.finished:
             self.done = True
+            if item.error is not None:  # it failed by itself; the engine already freed it
+                raise RequestFailedError(item.request_id, *item.error)
         return item
 
     def mark_done(self) -> None:

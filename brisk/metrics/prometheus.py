@@ -40,6 +40,9 @@ class ServerMetrics:
         self.context_guard = Counter("brisk:context_guard", "Context-guard outcomes per request.",
                                      ["outcome"], registry=r)
         self.aborts = Counter("brisk:request_aborts", "Requests ended early, by cause.", ["cause"], registry=r)
+        self.request_errors = Counter("brisk:request_errors", "Requests ended by a failure of their own (the "
+                                      "others went on), by reason: internal_error, grammar_rejected.",
+                                      ["reason"], registry=r)
         self.prompt_tokens = Counter("brisk:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("brisk:generation_tokens", "Generated tokens.", registry=r)
         self.phases = {key: Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
@@ -68,8 +71,11 @@ class ServerMetrics:
             self.requests.labels(reason)
         for outcome in ("ok", "truncated", "clamped", "rejected"):
             self.context_guard.labels(outcome)
-        for cause in ("client_disconnect", "timeout", "shutdown", "engine_error", "replica_lost", "error"):
+        for cause in ("client_disconnect", "timeout", "shutdown", "engine_error", "replica_lost", "error",
+                      "request_error"):
             self.aborts.labels(cause)
+        for reason in ("internal_error", "grammar_rejected"):
+            self.request_errors.labels(reason)
         self._engine = _EngineCollector()
         r.register(self._engine)
         self.set_load_state("loading")

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, NamedTuple
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from brisk.engine.errors import EngineDeadError
+from brisk.engine.errors import EngineDeadError, RequestFailedError
 from brisk.engine.outputs import RequestOutput
 from brisk.engine.sampling_params import SamplingParams
 from brisk.server.context_guard import combined_headers
@@ -162,6 +162,10 @@ class Run:
                 raise item
             self.record.delivered(item)
             self.generated[index] = self.generated.get(index, 0) + len(item.delta_token_ids)
+            if item.error is not None:  # this choice failed by itself: the engine freed it and went on
+                self.streams[index].mark_done()
+                self.record.failed(item)
+                raise RequestFailedError(item.request_id, *item.error)
             if item.finished:
                 remaining -= 1
                 self.streams[index].mark_done()
@@ -227,13 +231,13 @@ class Run:
         self.record.closed(self.finals, self.generated, unfinished, self.started, self.abort_cause, self.usage())
 
     def _api_error(self, e: BaseException) -> APIError:
-        error, cause = as_api_error(e)
+        error, cause = as_api_error(e, self.fmt.id)
         if cause is not None:
             self.abort_cause = cause
         return error
 
 
-def as_api_error(e: BaseException) -> tuple[APIError, str | None]:
+def as_api_error(e: BaseException, request_id: str) -> tuple[APIError, str | None]:
     """The error a client gets for a run that failed, and the abort cause it is counted under
     (None: leave the cause as it is)."""
     if isinstance(e, APIError):  # a Ray replica that died serving it is not the client's doing
@@ -244,8 +248,11 @@ def as_api_error(e: BaseException) -> tuple[APIError, str | None]:
         return APIError(503, str(e), code="shutting_down"), "shutdown"
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine stopped: {e}; restart the server", code="engine_dead"), "engine_error"
-    log.exception("request failed", exc_info=e)
-    return APIError(500, "internal server error; the server log has the details"), "error"
+    if isinstance(e, RequestFailedError):  # logged once, with its traceback, where it happened
+        return APIError(500, e.message, code=e.reason), "request_error"
+    log.exception("request %s failed", request_id, exc_info=e)
+    return APIError(500, f"internal server error in request {request_id}; the server log has the details",
+                    code="internal_error"), "error"
 
 
 def _sse(payload: dict) -> str:

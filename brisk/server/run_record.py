@@ -34,6 +34,10 @@ class RunRecord:
     def finished(self, out: RequestOutput) -> None:
         self.state.metrics.observe_finished(out.finish_reason, out.metrics)
 
+    def failed(self, out: RequestOutput) -> None:
+        """An engine request ended by a failure of its own (its reason: internal_error, grammar_rejected)."""
+        self.state.metrics.request_errors.labels(out.error[0]).inc()
+
     # -- once the run is over -----------------------------------------------------------
     def closed(self, finals: dict[int, RequestOutput], generated: dict[int, int], unfinished: int, started: bool,
                abort_cause: str, usage: dict[str, Any]) -> None:

@@ -73,11 +73,13 @@ class DraftModelProposer:
         self.scale = cfg.head_dim ** -0.5
         self.attention = attention_backend(torch.device(draft.device))
 
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: list[Request]) -> list:
         """Reserve each drafting request's k positions (placeholders the scheduler counts);
-        `draft` fills them in once the scheduler has allocated their slots."""
+        `draft` fills them in once the scheduler has allocated their slots. Nothing here can fail one
+        request alone (the draft model's forward is shared): returns no failures."""
         for request, limit in drafting(running, self.config, self.max_model_len):
             request.spec_token_ids = [0] * limit
+        return []
 
     @torch.inference_mode()
     def draft(self, chunks: list[ScheduledChunk]) -> None:

@@ -47,14 +47,22 @@ class NgramDrafter:
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: list[Request]) -> list[tuple[Request, Exception]]:
+        """Each drafting request's proposal; returns the requests whose proposing raised, with the error
+        (the engine ends them; the others draft as usual)."""
         cfg = self.config
+        failed = []
         for request, limit in drafting(running, cfg, self.max_model_len):
-            state = request.spec
-            if state.index is None:
-                state.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            state.index.extend(request.all_token_ids)
-            request.spec_token_ids = state.index.propose(limit)
+            try:
+                state = request.spec
+                if state.index is None:
+                    state.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                state.index.extend(request.all_token_ids)
+                request.spec_token_ids = state.index.propose(limit)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                request.spec_token_ids = []
+                failed.append((request, e))
+        return failed
 
     def draft(self, chunks) -> None:
         """Nothing to do after scheduling: the n-gram proposals are the tokens."""
