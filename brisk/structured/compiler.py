@@ -23,6 +23,7 @@ from typing import Any
 from brisk.structured.sandbox import BUILD_STACK_BYTES, CompileSandbox, run_with_stack
 from brisk.structured.sources import GrammarError, check_limits, short
 from brisk.structured.spec import ANY_JSON_OBJECT, GrammarSpec, json_spec
+from brisk.structured.vocabulary import llg_tokenizer
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError"]
 
@@ -46,6 +47,7 @@ class GrammarCompiler:
     """One per served model: the tokenizer wrapped for llguidance (built once, ~0.5 s) and the cache."""
 
     def __init__(self, fast_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._fast = fast_tokenizer
         self._tokenizer_json = fast_tokenizer.to_str()
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -55,12 +57,9 @@ class GrammarCompiler:
         self.sandbox = CompileSandbox(self._tokenizer_json, vocab_size, eos_token_ids)
 
     def _llg_tokenizer(self):
-        import llguidance
-
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                         eos_token=list(self.eos_token_ids))
+                self._tokenizer = llg_tokenizer(self._fast, self.vocab_size, self.eos_token_ids)
             return self._tokenizer
 
     def warm_up(self) -> float:

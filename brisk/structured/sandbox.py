@@ -242,10 +242,12 @@ def _worker_main() -> None:
     hello = receive()
     if hello is None:
         return
-    import llguidance
+    from tokenizers import Tokenizer
+
+    from brisk.structured.vocabulary import llg_tokenizer
 
     try:
-        tokenizer = llguidance.LLTokenizer(hello["tokenizer"], n_vocab=hello["vocab_size"], eos_token=hello["eos"])
+        tokenizer = llg_tokenizer(Tokenizer.from_str(hello["tokenizer"]), hello["vocab_size"], hello["eos"])
     except Exception as e:  # noqa: BLE001 - reported to the server, which names it
         reply({"error": short(str(e))})
         return
