@@ -12,36 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brisk.errors import ModelLoadError
+from brisk.families import BY_MODEL_TYPE, FAMILIES, UNSUPPORTED, Family, nope_flags
 from brisk.kv_dtype import ALIASES as KV_ALIASES, CHOICES as KV_CHOICES, KVDtype
 
-@dataclass(frozen=True)
-class Family:
-    """What distinguishes a decoder family from Llama's, as transformers' config.json spells it."""
-
-    model_type: str
-    qkv_bias: bool = False  # q/k/v projections carry a bias by default (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
-    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
-    gemma: bool = False  # (1 + w) RMSNorm, embeddings times sqrt(hidden), GELU-tanh gate
-    # what transformers' config class assumes for keys config.json leaves out
-    defaults: tuple[tuple[str, Any], ...] = ()
-
-
-FAMILIES = {
-    "LlamaForCausalLM": Family("llama"),
-    "MistralForCausalLM": Family("mistral"),
-    "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True),
-    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True),
-    "GemmaForCausalLM": Family("gemma", gemma=True),
-    "Gemma2ForCausalLM": Family("gemma2", sandwich_norms=True, gemma=True, defaults=(
-        ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("query_pre_attn_scalar", 256))),
-    "Gemma3ForCausalLM": Family("gemma3_text", qk_norm=True, sandwich_norms=True, gemma=True, defaults=(
-        ("query_pre_attn_scalar", 256), ("rope_theta", 1_000_000.0))),
-    "Phi3ForCausalLM": Family("phi3"),
-    "SmolLM3ForCausalLM": Family("smollm3"),
-}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-_MODEL_TYPES = {f.model_type: arch for arch, f in FAMILIES.items()}
 # transformers' activation names -> the gate brisk computes
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu": "gelu"}
@@ -59,6 +33,21 @@ _REQUIRED_KEYS = (
     "num_hidden_layers",
     "num_attention_heads",
 )
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture of experts' layers: each token's router logits [num_experts] go through a softmax, the top
+    `experts_per_token` are kept (renormalised to sum 1 where `norm_topk_prob`), and the token's MLP output
+    is the weighted sum of those experts' SwiGLU outputs (+ a shared expert's, times the sigmoid of its own
+    gate, where `shared_expert_intermediate_size`)."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]  # the layers whose MLP is the expert layer (the others are dense)
+    shared_expert_intermediate_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +90,7 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     # -- what families change (Family; all off for Llama) --
     hidden_act: str = "silu"  # the MLP's gate: silu, gelu_tanh or gelu
-    qk_norm: bool = False
+    qk_norm: str | None = None  # "head": one [head_dim] weight for every head (Qwen3); "full": over the projection (OLMoE)
     sandwich_norms: bool = False
     norm_weight_offset: float = 0.0  # added to every RMSNorm weight at load: Gemma's (1 + w) as stored by HF
     embed_scale: float | None = None  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
@@ -110,6 +99,7 @@ class ModelConfig:
     final_softcap: float | None = None  # the same on the logits (Gemma 2)
     sliding_rope: RopeConfig | None = None  # RoPE of the sliding-window layers, when it differs (Gemma 3)
     nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3)
+    moe: MoeConfig | None = None  # the expert layers of a mixture of experts (None: every MLP is dense)
 
     @property
     def kv_window(self) -> int | None:
@@ -127,7 +117,31 @@ class ModelConfig:
     def llama_like(self) -> bool:
         """Llama's block exactly (what brisk's compiled decode stack runs); the families' extras off."""
         return (self.hidden_act == "silu" and not self.qk_norm and not self.sandwich_norms
-                and self.attn_softcap is None and self.sliding_rope is None and not self.nope_layers)
+                and self.attn_softcap is None and self.sliding_rope is None and not self.nope_layers
+                and self.moe is None)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total, active per token) parameters of the weight matrices, embeddings and norms: a mixture of
+        experts reads only its k routed experts' weights per token (the load report names both)."""
+        h, layers = self.hidden_size, self.num_layers
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + (self.q_size + 2 * self.kv_size) * self.qkv_bias
+        dense_mlp = 3 * h * self.intermediate_size
+        total = active = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for i in range(layers):
+            norms = 2 * h * (2 if self.sandwich_norms else 1)
+            total, active = total + attn + norms, active + attn + norms
+            if not self.is_moe_layer(i):
+                total, active = total + dense_mlp, active + dense_mlp
+                continue
+            moe = self.moe
+            expert = 3 * h * moe.expert_intermediate_size
+            shared = (3 * h * moe.shared_expert_intermediate_size + h) if moe.shared_expert_intermediate_size else 0
+            total += h * moe.num_experts + moe.num_experts * expert + shared
+            active += h * moe.num_experts + moe.experts_per_token * expert + shared
+        return total, active
 
     def rope_of_layer(self, layer: int) -> RopeConfig | None:
         """The RoPE layer `layer` applies, or None (a NoPE layer)."""
@@ -155,14 +169,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        archs = d.get("architectures") or [_MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))]
-        arch = next((a for a in archs if a in FAMILIES), None)
-        if arch is None:
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
-                f"brisk runs {', '.join(sorted(FAMILIES))}"
-            )
-        family = FAMILIES[arch]
+        family = _family(d, source)
+        arch = family.hf_architecture
         d = {**dict(family.defaults), **d}
         missing = [k for k in _REQUIRED_KEYS if k not in d]
         if missing:
@@ -177,8 +185,8 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         qkv_bias = True if family.qkv_bias else bool(d.get("attention_bias", False))
-        windows = _windows_from_hf(d, arch, num_layers, source)
-        rope, sliding_rope = _ropes_from_hf(d, arch, source)
+        windows = _windows_from_hf(d, family, num_layers, source)
+        rope, sliding_rope = _ropes_from_hf(d, family, source)
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -198,6 +206,7 @@ class ModelConfig:
             layer_windows=windows,
             hidden_act=_activation(d, family, source),
             qk_norm=family.qk_norm,
+            moe=_moe_from_hf(d, family, num_layers, source),
             sandwich_norms=family.sandwich_norms,
             # brisk's GGUF conversion writes 0: llama.cpp's converter stores Gemma norms as 1 + w already
             norm_weight_offset=float(d.get("norm_weight_offset", 1.0 if family.gemma else 0.0)),
@@ -206,8 +215,58 @@ class ModelConfig:
             attn_softcap=_optional_float(d.get("attn_logit_softcapping")),
             final_softcap=_optional_float(d.get("final_logit_softcapping")),
             sliding_rope=sliding_rope if windows and any(w is not None for w in windows) else None,
-            nope_layers=_nope_layers(d, arch, num_layers, source),
+            nope_layers=_nope_layers(d, family, num_layers, source),
         )
+
+
+def _family(d: dict[str, Any], source: str) -> Family:
+    """The family record of a config.json, or one clear error naming what it is and what brisk runs."""
+    archs = d.get("architectures") or []
+    found = next((FAMILIES[a] for a in archs if a in FAMILIES), None) if archs else BY_MODEL_TYPE.get(d.get("model_type"))
+    if found is not None:
+        return found
+    named = next((a for a in archs if a in UNSUPPORTED), None)
+    if named is not None:
+        raise ModelLoadError(f"{source}: {named} is a model brisk cannot run ({UNSUPPORTED[named]} is not "
+                             f"implemented); brisk runs {', '.join(sorted(FAMILIES))}")
+    raise ModelLoadError(f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
+                         f"brisk runs {', '.join(sorted(FAMILIES))}")
+
+
+def _positive_int(d: dict[str, Any], keys: tuple[str, ...], source: str, default: Any = None) -> int:
+    value = next((d[k] for k in keys if d.get(k) is not None), default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelLoadError(f"{source}: {keys[0]} must be a positive integer, got {value!r}")
+    return value
+
+
+def _moe_from_hf(d: dict[str, Any], family: Family, num_layers: int, source: str) -> MoeConfig | None:
+    """A mixture-of-experts family's expert layers, read as transformers' config class reads them."""
+    spec = family.experts
+    if spec is None:
+        return None
+    for key, what in (("scoring_func", "softmax"), ("router_activation", "softmax")):
+        if d.get(key) not in (None, what):
+            raise ModelLoadError(f"{source}: {key} {d[key]!r} is a gating function brisk does not run "
+                                 f"(it routes with {what} then top-k)")
+    if d.get("clip_qkv") is not None:
+        raise ModelLoadError(f"{source}: clip_qkv {d['clip_qkv']!r} (q/k/v clamping) is not implemented; brisk "
+                             "runs OLMoE checkpoints without it (clip_qkv null)")
+    num_experts = _positive_int(d, ("num_experts", "num_local_experts"), source)
+    per_token = _positive_int(d, ("num_experts_per_tok",), source)
+    if per_token > num_experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok {per_token} exceeds the {num_experts} experts")
+    # transformers (Qwen2/3-MoE): MoE where not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; brisk's
+    # GGUF conversion lists a GGUF's layers without a router in mlp_only_layers, whatever the family
+    step = _positive_int(d, ("decoder_sparse_step",), source, 1) if spec.sparse_step else 1
+    dense = set(d.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    norm = bool(d.get(spec.norm_topk_key, spec.norm_topk_default)) if spec.norm_topk_key else spec.norm_topk_default
+    shared = None
+    if spec.shared_expert:
+        shared = _positive_int(d, ("shared_expert_intermediate_size",), source)
+    size_keys = ("moe_intermediate_size", "intermediate_size") if family.model_type != "mixtral" else ("intermediate_size",)
+    return MoeConfig(num_experts, per_token, _positive_int(d, size_keys, source), norm, layers, shared)
 
 
 def _optional_float(value: Any) -> float | None:
@@ -224,25 +283,22 @@ def _activation(d: dict[str, Any], family: Family, source: str) -> str:
     return ACTIVATIONS[name]
 
 
-def _nope_layers(d: dict[str, Any], arch: str, num_layers: int, source: str) -> tuple[int, ...]:
+def _nope_layers(d: dict[str, Any], family: Family, num_layers: int, source: str) -> tuple[int, ...]:
     """SmolLM3: `no_rope_layers[i]` is 1 where layer i applies RoPE (every 4th layer does not, by default)."""
-    if arch != "SmolLM3ForCausalLM":
+    if not family.nope_layers:
         return ()
-    flags = d.get("no_rope_layers")
-    if flags is None:
-        interval = int(d.get("no_rope_layer_interval", 4))
-        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    flags = nope_flags(d, num_layers)
     if not isinstance(flags, list) or len(flags) != num_layers:
         raise ModelLoadError(f"{source}: no_rope_layers must list one 0/1 flag per layer ({num_layers}), got {flags!r}")
     return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
 
 
-def _windows_from_hf(d: dict[str, Any], arch: str, num_layers: int, source: str) -> tuple[int | None, ...]:
+def _windows_from_hf(d: dict[str, Any], family: Family, num_layers: int, source: str) -> tuple[int | None, ...]:
     """Per-layer sliding windows with transformers' semantics: an explicit `layer_types` list wins,
     else the family's default layer types (`_default_layer_types`)."""
     types = d.get("layer_types")
     if types is None:
-        types = _default_layer_types(d, arch, num_layers)
+        types = _default_layer_types(d, family, num_layers)
         if types is None:
             return ()
     if not isinstance(types, list) or len(types) != num_layers:
@@ -253,47 +309,27 @@ def _windows_from_hf(d: dict[str, Any], arch: str, num_layers: int, source: str)
                              "full_attention and sliding_attention layers")
     if "sliding_attention" not in types:
         return ()
-    # the config classes of these families default the window to 4096 when the key is absent
-    window = d.get("sliding_window", 4096 if arch in _WINDOW_4096 else None)
+    # some families' config classes default the window (4096) when the key is absent
+    window = d.get("sliding_window", family.window_default)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ModelLoadError(f"{source}: sliding_window must be a positive integer for sliding_attention layers, "
                              f"got {window!r}")
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-_WINDOW_4096 = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-
-
-def _default_layer_types(d: dict[str, Any], arch: str, num_layers: int) -> list[str] | None:
-    """transformers' layer types when config.json lists none (None: no layer is windowed): Mistral
-    windows every layer unless `sliding_window` is null, Qwen2/3 layers >= `max_window_layers` when
-    `use_sliding_window` is true, Gemma 2 every other layer (from the first), Gemma 3 five of every
-    `sliding_window_pattern` (6), SmolLM3 its NoPE layers when `use_sliding_window` is true, and
-    Llama and Phi-3 every layer when `sliding_window` is set."""
-    sliding = None
-    if arch == "MistralForCausalLM" and d.get("sliding_window", 4096) is not None:
-        sliding = [True] * num_layers
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if d.get("use_sliding_window", False):
-            first = int(d.get("max_window_layers", 28))
-            sliding = [i >= first for i in range(num_layers)]
-    elif arch == "Gemma2ForCausalLM":
-        sliding = [(i + 1) % 2 == 1 for i in range(num_layers)]
-    elif arch == "Gemma3ForCausalLM":
-        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
-        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    elif arch == "SmolLM3ForCausalLM":
-        if d.get("use_sliding_window") and d.get("sliding_window") is not None:
-            nope = set(_nope_layers(d, arch, num_layers, "config.json"))
-            sliding = [i in nope for i in range(num_layers)]
-    elif d.get("sliding_window") is not None:  # Llama with a window, Phi-3: every layer
-        sliding = [True] * num_layers
+def _default_layer_types(d: dict[str, Any], family: Family, num_layers: int) -> list[str] | None:
+    """transformers' layer types when config.json lists none (None: no layer is windowed): the family's rule
+    (brisk.families: Mistral windows every layer unless sliding_window is null, Qwen2/3 the layers from
+    max_window_layers on when use_sliding_window is true, Gemma 2 every other layer, Gemma 3 five of every
+    six, SmolLM3 its NoPE layers when use_sliding_window is true, Llama and Phi-3 every layer when
+    sliding_window is set)."""
+    sliding = family.sliding_layers(d, num_layers) if family.sliding_layers else None
     if sliding is None:
         return None
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
-def _ropes_from_hf(d: dict[str, Any], arch: str, source: str) -> tuple[RopeConfig, RopeConfig | None]:
+def _ropes_from_hf(d: dict[str, Any], family: Family, source: str) -> tuple[RopeConfig, RopeConfig | None]:
     """The model's RoPE, and the sliding layers' own where it differs (Gemma 3: `rope_local_base_freq`,
     or transformers 5's `rope_parameters` keyed by layer type)."""
     params = d.get("rope_parameters")
@@ -302,8 +338,8 @@ def _ropes_from_hf(d: dict[str, Any], arch: str, source: str) -> tuple[RopeConfi
         local = params.get("sliding_attention")
         return full, (_rope_from_hf({**d, "rope_parameters": local}, source) if isinstance(local, dict) else None)
     rope = _rope_from_hf(d, source)
-    if arch == "Gemma3ForCausalLM":
-        local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)),
+    if family.local_rope_key:
+        local = RopeConfig(theta=float(d.get(family.local_rope_key, 10000.0)),
                            partial_rotary_factor=rope.partial_rotary_factor)
         return rope, local
     return rope, None

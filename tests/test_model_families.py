@@ -66,6 +66,16 @@ FAMILIES = {
                          "short_factor": [1.0 + 0.1 * i for i in range(8)],
                          "long_factor": [2.0 + 0.2 * i for i in range(8)]})),
     "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=8)),
+    # mixtures of experts: 8 experts (Mixtral 4), 2 per token; Qwen3-MoE renormalises its top k (as
+    # Qwen3-30B-A3B does and llama.cpp's qwen3moe always does), Qwen2-MoE and OLMoE do not
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                 intermediate_size=96)),
+    "qwen3moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2,
+                                                             intermediate_size=32, rms_norm_eps=1e-5)),
 }
 
 
@@ -125,6 +135,8 @@ def _build(name: str, family: Family, root: Path, demo, spm_dir: Path) -> Built:
         for param_name, param in hf.named_parameters():
             if "norm" in param_name:  # random norms: a missed (1 + w) or a swapped norm shows
                 param.normal_(0.0, 0.3)
+            elif param_name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.normal_(0.0, 0.5)  # routers that choose clearly (no near-ties between experts)
     hf.save_pretrained(hf_dir)
     return Built(hf, hf_dir, convert_hf_to_gguf(hf_dir, root / f"{name}-f32.gguf"))
 

@@ -51,11 +51,12 @@ import numpy as np
 import torch
 
 from brisk.errors import ModelLoadError
+from brisk.families import FAMILIES, Family
 from brisk.kernels import IQ4_VALUES, QK, SIGNED_OFFSETS, TILE_BYTES, TILE_ROWS
 from brisk.loading import repack
 from brisk.loading.dequant import (DEQUANTIZERS, IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
                                    _k_scales_mins, check_type, q2_k_scales, q3_k_scales, q6_k_scales)
-from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
+from brisk.loading.gguf_header import BRISK_LAYOUT, GGUFFile, TensorInfo, hf_config, read_gguf_header  # noqa: F401 (callers import hf_config here)
 from brisk.loading.gguf_tokenizer import build_tokenizer
 from brisk.models.quant import CODEBOOK, PARTS, QUANTIZERS, QuantFormat, check_quantizable, tile, tileable
 
@@ -98,9 +99,39 @@ _FUSED = {
 }
 _STORED_FUSED = {"self_attn.qkv_proj.weight": ("attn_qkv.weight",), "self_attn.qkv_proj.bias": ("attn_qkv.bias",),
                  "mlp.gate_up_proj.weight": ("ffn_up.weight",)}
-# llama.cpp permutes Q/K rows for these architectures (interleaved RoPE pairs); the others are stored
-# in HF's rotate-half order already
-_PERMUTED = ("llama", "smollm3")
+# an MoE layer's GGUF tensors: the router, the experts (3-D: experts x out x in), Qwen2-MoE's shared expert
+_ROUTER = {"ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+           "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+_SHARED_FUSED = {"mlp.shared_expert.gate_up_proj.weight": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")}
+EXPERT_TENSORS = {"mlp.experts.gate_up_proj.weight": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+                  "mlp.experts.down_proj.weight": ("ffn_down_exps.weight",)}
+EXPERT_MARK = "#"  # `blk.0.ffn_up_exps.weight#5`: expert 5's [out, in] slice of the stacked tensor
+
+
+def shared_codebooks(infos: list[TensorInfo]) -> set[str]:
+    """GGUF tensors fused after a first part of the same type (attn_k/attn_v after attn_q, ffn_up after ffn_gate,
+    and their experts'): the fused weight stores one IQ4 table, the first part's (the memory plan's count)."""
+    types = {t.name: t.type_name for t in infos}
+    later = {}
+    for parts in (*_FUSED.values(), *_SHARED_FUSED.values(), *EXPERT_TENSORS.values()):
+        for part in parts[1:]:
+            later[part] = parts[0]
+    shared = set()
+    for name, kind in types.items():
+        layer, _, part = name.partition(".")[2].partition(".")
+        first = later.get(part)
+        if name.startswith("blk.") and first is not None and types.get(f"blk.{layer}.{first}") == kind:
+            shared.add(name)
+    return shared
+
+
+def _names_of(family: Family) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """A family's layer tensor names: (GGUF -> brisk, fused brisk name -> GGUF parts)."""
+    layer_names = _SANDWICH_NAMES if family.gguf_tensors == "sandwich" else _LAYER_NAMES
+    fused = _STORED_FUSED if family.gguf_tensors == "fused" else _FUSED
+    if family.experts is not None:
+        layer_names, fused = {**layer_names, **_ROUTER}, {**fused, **_SHARED_FUSED}
+    return layer_names, fused
 
 
 # GGUF type -> the quantized format its weights keep under `--quantization auto`
@@ -300,8 +331,9 @@ def linear_types(path: Path) -> set[str]:
     for t in read_gguf_header(path).tensors:
         if t.type_name not in FLOAT_TYPES:
             types.add(t.type_name)
-        elif t.name.startswith("blk.") and len(t.shape) == 2:
-            types.add(kept_type(t.type_name, t.shape, "auto"))
+        elif t.name.startswith("blk.") and len(t.shape) in (2, 3) and ".ffn_gate_inp" not in t.name:
+            # (a router stays float32 as llama.cpp keeps it; stacked experts are [out, in] weights each)
+            types.add(kept_type(t.type_name, t.shape[-2:], "auto"))
     return types
 
 
@@ -311,16 +343,34 @@ class _Tensors:
     def __init__(self, reader: GGUFFile, config: dict[str, Any], source: str, quantization: str):
         self.reader = reader
         self.by_name = {t.name: t for t in reader.tensors}
+        self.slices: dict[str, TensorInfo] = {}  # experts' [out, in] slices of 3-D tensors (`expert_slices`)
         self.config = config
         self.source = source
         self.quantization = quantization
-        self.permute = config["model_type"] in _PERMUTED
+        self.family = FAMILIES[config["architectures"][0]]
+        self.permute = self.family.gguf_permuted
+
+    def info(self, name: str) -> TensorInfo:
+        return self.by_name[name] if name in self.by_name else self.slices[name]
+
+    def expert_slices(self, name: str) -> list[str]:
+        """The names of each expert's [out, in] slice of a stacked 3-D tensor (its bytes, expert by expert)."""
+        t = self.by_name[name]
+        if len(t.dims) != 3 or t.nbytes is None:
+            raise ModelLoadError(f"{self.source}: expert tensor {name} has shape {list(t.shape)}; brisk reads experts "
+                                 "stacked in one 3-D tensor (experts x out x in)")
+        experts, each = t.dims[2], t.nbytes // t.dims[2]
+        names = []
+        for e in range(experts):
+            names.append(f"{name}{EXPERT_MARK}{e}")
+            self.slices[names[-1]] = TensorInfo(names[-1], t.type_name, t.dims[:2], t.offset + e * each, each)
+        return names
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.by_name[name].shape
+        return self.info(name).shape
 
     def qtype(self, name: str) -> str:
-        return check_type(self.source, name, self.by_name[name].type_name)
+        return check_type(self.source, name, self.info(name).type_name)
 
     def target_format(self, name: str) -> QuantFormat | None:
         return target_format(name, self.qtype(name), self.shape(name), self.quantization)
@@ -333,7 +383,7 @@ class _Tensors:
         return values
 
     def load(self, name: str) -> np.ndarray:
-        values = DEQUANTIZERS[self.qtype(name)](self.reader.data(self.by_name[name])).reshape(self.shape(name))
+        values = DEQUANTIZERS[self.qtype(name)](self.reader.data(self.info(name))).reshape(self.shape(name))
         return self._unpermuted(name, values)
 
     def kept_type(self, name: str) -> str:
@@ -341,7 +391,7 @@ class _Tensors:
 
     def load_raw16(self, name: str) -> np.ndarray:
         """A 16-bit tensor's stored bits (float16, or bfloat16 as uint16), unpermuted like `load`."""
-        raw = np.ascontiguousarray(self.reader.data(self.by_name[name]))
+        raw = np.ascontiguousarray(self.reader.data(self.info(name)))
         values = raw.view(np.float16 if self.qtype(name) == "F16" else np.uint16).reshape(self.shape(name))
         return self._unpermuted(name, values)
 
@@ -350,7 +400,7 @@ class _Tensors:
         if fmt is None:
             return {"weight": self.load(name)}
         qtype, (rows, cols) = self.qtype(name), self.shape(name)
-        raw = self.reader.data(self.by_name[name])
+        raw = self.reader.data(self.info(name))
         if qtype in ("Q4_0", "Q4_1", "Q8_0") and NATIVE_FORMATS[qtype].bits == fmt.bits and \
                 (fmt.has_mins or not NATIVE_FORMATS[qtype].has_mins):
             arrays = _with_format(_repack_legacy(raw, rows, cols, qtype), fmt)
@@ -427,8 +477,7 @@ def _groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
     for gguf_name, hf_name in _PLAIN_NAMES.items():
         if gguf_name in tensors.by_name:
             groups.append((hf_name, [gguf_name]))
-    layer_names = _SANDWICH_NAMES if tensors.config["model_type"] in ("gemma2", "gemma3_text") else _LAYER_NAMES
-    fused = _STORED_FUSED if tensors.config["model_type"] == "phi3" else _FUSED
+    layer_names, fused = _names_of(tensors.family)
     for i in range(num_layers):
         prefix = f"blk.{i}."
         for hf_part, parts in fused.items():
@@ -445,6 +494,61 @@ def _groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
             if prefix + part in tensors.by_name and prefix + part not in taken:
                 groups.append((f"model.layers.{i}.{hf_part}", [prefix + part]))
     return groups
+
+
+def _expert_groups(tensors: _Tensors, num_layers: int) -> list[tuple[str, list[str]]]:
+    """(output name, 3-D GGUF tensors it is made of) for the stacked experts of every MoE layer."""
+    groups = []
+    for i in range(num_layers):
+        prefix = f"blk.{i}."
+        for hf_part, parts in EXPERT_TENSORS.items():
+            names = [prefix + p for p in parts]
+            present = [n in tensors.by_name for n in names]
+            if any(present) and not all(present):
+                raise ModelLoadError(f"{tensors.source}: GGUF lacks tensor(s) "
+                                     f"{', '.join(n for n, p in zip(names, present) if not p)}")
+            if all(present):
+                groups.append((f"model.layers.{i}.{hf_part}", names))
+        if tensors.family.experts is not None and f"{prefix}ffn_gate_inp.weight" in tensors.by_name and \
+                not any(g[0].startswith(f"model.layers.{i}.") for g in groups):
+            raise ModelLoadError(f"{tensors.source}: layer {i} has a router but its experts are not stacked in "
+                                 "ffn_{gate,up,down}_exps tensors (an expert-sharded GGUF from an old converter); "
+                                 "convert the model again with a current llama.cpp")
+    return groups
+
+
+def _expert_plan(tensors: _Tensors, hf_name: str, names: list[str]
+                 ) -> list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """A stacked expert projection: each expert's slices fused and stored as a dense weight's would be, the
+    experts one after the other (a leading expert dimension on every array)."""
+    per_expert = list(zip(*(tensors.expert_slices(n) for n in names)))  # [(gate#e, up#e) for each expert e]
+    plan = []
+    runs = _stacked_parts(tensors, hf_name, list(per_expert[0]))  # the same types for every expert
+    for index, (run_name, first_parts) in enumerate(runs):
+        columns = [list(per_expert[0]).index(part) for part in first_parts]
+        groups = [_Group(tensors, [parts[c] for c in columns], run_name, role=hf_name) for parts in per_expert]
+        base, lead = run_name.removesuffix(".weight"), groups[0]
+        for suffix, dtype in stored_arrays(lead.fmt, lead.float_type):
+            name = run_name if suffix == "weight" else f"{base}.{suffix}"
+            if suffix == CODEBOOK:  # one table per stacked weight: the first expert's
+                plan.append((name, dtype, (len(IQ4_VALUES),), lambda gs=groups: _first_codebook(gs)))
+                continue
+            shape = (len(groups), *stored_shape(suffix, *lead.shape, lead.fmt))
+            plan.append((name, dtype, shape, lambda gs=groups, sf=suffix: _pieces(g.take(sf) for g in gs)))
+    return plan
+
+
+def _first_codebook(groups: list["_Group"]) -> np.ndarray:
+    tables = [g.take(CODEBOOK) for g in groups]
+    return tables[0]
+
+
+def _pieces(arrays) -> list[np.ndarray]:
+    """Arrays and lists of arrays, flattened into the pieces to write one after the other."""
+    out: list[np.ndarray] = []
+    for a in arrays:
+        out.extend(a if isinstance(a, list) else [a])
+    return out
 
 
 def _stacked_parts(tensors: _Tensors, hf_name: str, parts: list[str]) -> list[tuple[str, list[str]]]:
@@ -465,13 +569,15 @@ def _stacked_parts(tensors: _Tensors, hf_name: str, parts: list[str]) -> list[tu
     return [(f"{base}{PARTS}{i}.weight", run) for i, run in enumerate(runs)]
 
 
-def _plan(tensors: _Tensors, groups: list[tuple[str, list[str]]]
+def _plan(tensors: _Tensors, groups: list[tuple[str, list[str]]], expert_groups: list[tuple[str, list[str]]] = ()
           ) -> list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """(output name, safetensors dtype, shape, producer) for every tensor of the converted checkpoint."""
     plan = []
     for fused_name, fused_parts in groups:
         for hf_name, parts in _stacked_parts(tensors, fused_name, fused_parts):
             plan += _group_plan(_Group(tensors, parts, hf_name, role=fused_name), hf_name)
+    for hf_name, names in expert_groups:
+        plan += _expert_plan(tensors, hf_name, names)
     return plan
 
 
@@ -505,6 +611,16 @@ def _read_rope_factors(tensors: _Tensors, config: dict[str, Any]) -> None:
             "original_max_position_embeddings": config.get("original_max_position_embeddings",
                                                            config["max_position_embeddings"]),
             "attention_factor": config.pop("brisk_rope_attention_factor", None)}
+
+
+def _mark_dense_layers(tensors: _Tensors, config: dict[str, Any]) -> None:
+    """An MoE GGUF's layers without a router are dense: config.json lists them as transformers does
+    (mlp_only_layers)."""
+    if tensors.family.experts is None:
+        return
+    dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors.by_name]
+    if dense:
+        config["mlp_only_layers"] = dense
 
 
 def _check_all_tensors_used(tensors: _Tensors, groups: list[tuple[str, list[str]]]) -> None:
@@ -552,8 +668,11 @@ def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
                 produced = produce()
                 pieces = [np.ascontiguousarray(p, dtype=_NUMPY_DTYPES[dtype])
                           for p in (produced if isinstance(produced, list) else [produced])]
-                got = pieces[0].shape if len(pieces) == 1 else (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
-                if got != tuple(shape) or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces[1:]):
+                # pieces are a weight's rows in runs, or (stacked experts) each expert's arrays in turn: their
+                # trailing dimensions are the tensor's, and together they hold all of its elements
+                trailing = [tuple(shape[len(shape) - p.ndim + 1:]) if p.ndim > 1 else () for p in pieces]
+                if sum(p.size for p in pieces) != int(np.prod(shape)) or \
+                        any(p.shape[1:] != t for p, t in zip(pieces, trailing)):
                     raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {[p.shape for p in pieces]}")
                 if writing is not None:
                     writing.result()
@@ -578,9 +697,11 @@ def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[
     fast_tokenizer, tok_config = build_tokenizer(meta, source)
     tensors = _Tensors(reader, config, source, quantization)
     groups = _groups(tensors, config["num_hidden_layers"])
-    _check_all_tensors_used(tensors, groups)
+    expert_groups = _expert_groups(tensors, config["num_hidden_layers"])
+    _check_all_tensors_used(tensors, groups + expert_groups)
     _read_rope_factors(tensors, config)
-    plan = _plan(tensors, groups)
+    _mark_dense_layers(tensors, config)
+    plan = _plan(tensors, groups, expert_groups)
     timings["gguf_read"] = (time.perf_counter() - t0) * 1e3
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TEMP_MARK}", dir=out_dir.parent))

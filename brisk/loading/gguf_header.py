@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from brisk.errors import ModelLoadError
+from brisk.families import UNSUPPORTED, expert_keys, gguf_architectures, gguf_family
 
 # GGUF value types: (struct format, size) for the fixed-size ones
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -30,24 +31,6 @@ _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 
 BRISK_LAYOUT = "brisk-fused-v1"
-
-# GGUF architecture -> (HF architecture, HF model_type). Mistral's GGUFs say "llama".
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma": ("GemmaForCausalLM", "gemma"),
-    "gemma2": ("Gemma2ForCausalLM", "gemma2"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-    "phi3": ("Phi3ForCausalLM", "phi3"), "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
-}
-# llama.cpp's own constants for what these GGUFs leave out (llama-model.cpp): Gemma 2 alternates
-# sliding and global layers, Gemma 3 has 5 sliding layers per global one with a RoPE base of 10,000,
-# SmolLM3 leaves out RoPE every 4th layer, and the 27B Gemmas scale queries by hidden/heads.
-_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_SMOLLM3_NOPE_INTERVAL = 4
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0
-
-
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -177,9 +160,11 @@ class GGUFFile:
 
 def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, Any]:
     arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
+    family = gguf_family(arch, int(meta.get(f"{arch}.expert_count") or 0))
+    if family is None:
+        what = f" ({UNSUPPORTED[arch]} is not implemented)" if arch in UNSUPPORTED else ""
         raise ModelLoadError(
-            f"{source}: unsupported GGUF architecture {arch!r}; brisk converts {', '.join(_ARCHITECTURES)}"
+            f"{source}: unsupported GGUF architecture {arch!r}{what}; brisk converts {', '.join(gguf_architectures())}"
         )
 
     def key(name: str, default: Any = None, required: bool = True) -> Any:
@@ -190,13 +175,12 @@ def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, 
 
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
-    hf_arch, model_type = _ARCHITECTURES[arch]
     config = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
+        "architectures": [family.hf_architecture],
+        "model_type": family.model_type,
         "vocab_size": int(key("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or None)),
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
+        "intermediate_size": int(key("feed_forward_length", 0 if family.experts else None)),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
@@ -211,16 +195,25 @@ def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, 
     }
     layers = config["num_hidden_layers"]
     window = key("attention.sliding_window", None, required=False)
+    pattern = family.gguf_sliding_pattern
     if window:  # llama.cpp's key: the windowed layers attend to the last `window` positions
         config["sliding_window"] = int(window)
         config["use_sliding_window"] = True
-        pattern = _SLIDING_PATTERN.get(arch)  # every layer, unless the family interleaves global ones
+        # every layer, unless the family interleaves global ones
         config["layer_types"] = ["sliding_attention" if pattern is None or (i + 1) % pattern else "full_attention"
                                  for i in range(layers)]
-    elif arch in _SLIDING_PATTERN:
+    elif pattern is not None:
         config["sliding_window"] = None
         config["layer_types"] = ["full_attention"] * layers
-    config.update(_family_keys(arch, key, config))
+    rope_dims = key("rope.dimension_count", None, required=False)
+    if rope_dims and int(rope_dims) != config["head_dim"]:
+        config["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
+    if family.gguf_keys is not None:
+        config.update(family.gguf_keys(key, config))
+    if family.experts is not None:
+        config.update(expert_keys(family, key, config))
+        if not config["intermediate_size"]:
+            config["intermediate_size"] = config["moe_intermediate_size"]
     scaling = key("rope.scaling.type", None, required=False)
     if scaling and scaling != "none":
         config["rope_scaling"] = {
@@ -231,32 +224,3 @@ def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, 
             ),
         }
     return config
-
-
-def _family_keys(arch: str, key, config: dict[str, Any]) -> dict[str, Any]:
-    """The config.json keys of a family that its GGUF spells its own way (or not at all)."""
-    extra: dict[str, Any] = {}
-    head_dim, layers = config["head_dim"], config["num_hidden_layers"]
-    rope_dims = key("rope.dimension_count", None, required=False)
-    if rope_dims and int(rope_dims) != head_dim:
-        extra["partial_rotary_factor"] = int(rope_dims) / head_dim
-    if arch.startswith("gemma"):
-        extra["norm_weight_offset"] = 0.0  # llama.cpp's converter stores Gemma's norms as 1 + w
-        if layers == _GEMMA_27B_LAYERS.get(arch):
-            extra["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
-        else:
-            extra["query_pre_attn_scalar"] = head_dim
-        extra["attn_logit_softcapping"] = key("attn_logit_softcapping", None, required=False)
-        extra["final_logit_softcapping"] = key("final_logit_softcapping", None, required=False)
-    if arch == "gemma3":
-        extra["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
-    if arch == "smollm3":
-        extra["no_rope_layer_interval"] = _SMOLLM3_NOPE_INTERVAL
-    if arch == "phi3":
-        original = key("rope.scaling.original_context_length", None, required=False)
-        if original:
-            extra["original_max_position_embeddings"] = int(original)
-        attn_factor = key("rope.scaling.attn_factor", None, required=False)
-        if attn_factor is not None:
-            extra["brisk_rope_attention_factor"] = float(attn_factor)
-    return extra

@@ -27,11 +27,24 @@ class Shape:
     heads: int
     kv_heads: int
     context: int = 2048
+    head_dim: int | None = None  # hidden // heads unless given (Qwen3: 128 at hidden 2048 with 32 heads)
+    # a mixture of experts: every layer's MLP is `experts` experts of `expert_ffn`, `experts_used` per token
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    arch: str = "llama"  # the GGUF architecture: llama (Llama, Mistral; Mixtral with experts), qwen3moe
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 TINYLLAMA = Shape(hidden=2048, layers=22, ffn=5632, heads=32, kv_heads=4)
 MISTRAL_7B = Shape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8)
-SHAPES = {"tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B}
+# Qwen3-30B-A3B's layer: 128 experts of 768, 8 per token, 32/4 heads x 128, q/k norms
+QWEN3_30B_A3B = Shape(hidden=2048, layers=48, ffn=6144, heads=32, kv_heads=4, context=4096, head_dim=128,
+                      experts=128, experts_used=8, expert_ffn=768, arch="qwen3moe")
+SHAPES = {"tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def _copy_tokenizer(writer, source_gguf: Path) -> int:
@@ -226,24 +239,51 @@ MIXES = {  # llama.cpp's mixes, as far as a test model needs them: tensor name s
 }
 
 
+def _matrices(shape: Shape, vocab: int, tied_embeddings: bool) -> dict[str, tuple[int, ...]]:
+    """Every weight of the shape, [out, in] (experts: [experts, out, in])."""
+    dim, q, kv = shape.dim, shape.heads * shape.dim, shape.kv_heads * shape.dim
+    matrices = {"token_embd.weight": (vocab, shape.hidden)}
+    if not tied_embeddings:
+        matrices["output.weight"] = (vocab, shape.hidden)
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        matrices.update({p + "attn_q.weight": (q, shape.hidden), p + "attn_k.weight": (kv, shape.hidden),
+                         p + "attn_v.weight": (kv, shape.hidden), p + "attn_output.weight": (shape.hidden, q)})
+        if shape.experts:
+            e, f = shape.experts, shape.expert_ffn
+            matrices.update({p + "ffn_gate_exps.weight": (e, f, shape.hidden), p + "ffn_up_exps.weight": (e, f, shape.hidden),
+                             p + "ffn_down_exps.weight": (e, shape.hidden, f)})
+        else:
+            matrices.update({p + "ffn_gate.weight": (shape.ffn, shape.hidden), p + "ffn_up.weight": (shape.ffn, shape.hidden),
+                             p + "ffn_down.weight": (shape.hidden, shape.ffn)})
+    return matrices
+
+
+def _vectors(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """The norms (ones) and, for experts, the routers (F32 as llama.cpp keeps them)."""
+    vectors = {"output_norm.weight": (shape.hidden,)}
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        vectors.update({p + "attn_norm.weight": (shape.hidden,), p + "ffn_norm.weight": (shape.hidden,)})
+        if shape.arch == "qwen3moe":
+            vectors.update({p + "attn_q_norm.weight": (shape.dim,), p + "attn_k_norm.weight": (shape.dim,)})
+        if shape.experts:
+            vectors[p + "ffn_gate_inp.weight"] = (shape.experts, shape.hidden)
+    return vectors
+
+
 def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
                       tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
-    """A llama-architecture GGUF with random weights: every matrix in `tensor_type` (e.g. Q4_0,
-    Q8_0, F32: what `gguf.quants.quantize` writes; or Q2_K-Q6_K, IQ4_NL, IQ4_XS: this module's quantize_*),
-    norms in F32. The tokenizer is copied from
-    `tokenizer_from`, or (None) a `small_vocab`-token one. A mix of `MIXES` (Q4_K_M, Q3_K_M) gives some tensors
-    another type, as llama.cpp's mix does in every layer (its own choice bumps only some layers)."""
+    """A GGUF of `shape.arch` (llama, or qwen3moe) with random weights: every matrix in `tensor_type` (e.g. Q4_0,
+    Q8_0, F32, BF16: what `gguf.quants.quantize` writes; or Q2_K-Q6_K, IQ4_NL, IQ4_XS: this module's quantize_*),
+    norms in F32 (and routers, for experts). The tokenizer is copied from `tokenizer_from`, or (None) a
+    `small_vocab`-token one. A mix of `MIXES` (Q4_K_M, Q3_K_M) gives some tensors another type, as llama.cpp's mix
+    does in every layer (its own choice bumps only some layers). Tensors are written as they are made (memory
+    stays one tensor deep: a 30B-parameter shape writes in a few GB)."""
     import gguf
-    from gguf.quants import quantize
-
-    K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
-                    gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
-                    gguf.GGMLQuantizationType.Q2_K: quantize_q2_k,
-                    gguf.GGMLQuantizationType.IQ4_NL: quantize_iq4_nl,
-                    gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
 
     base, overrides = MIXES.get(tensor_type, (tensor_type, {}))
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), shape.arch)
     vocab = _copy_tokenizer(writer, tokenizer_from) if tokenizer_from else _small_tokenizer(writer, small_vocab)
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
@@ -251,43 +291,64 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
     writer.add_feed_forward_length(shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
+    if shape.head_dim:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
+    writer.add_layer_norm_rms_eps(1e-5 if shape.arch == "llama" else 1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(vocab)
     rng = np.random.default_rng(seed)
-    head_dim = shape.hidden // shape.heads
-    matrices = {"token_embd.weight": (vocab, shape.hidden)}
-    if not tied_embeddings:
-        matrices["output.weight"] = (vocab, shape.hidden)
-    for i in range(shape.layers):
-        p = f"blk.{i}."
-        matrices.update({p + "attn_q.weight": (shape.hidden, shape.hidden),
-                         p + "attn_k.weight": (shape.kv_heads * head_dim, shape.hidden),
-                         p + "attn_v.weight": (shape.kv_heads * head_dim, shape.hidden),
-                         p + "attn_output.weight": (shape.hidden, shape.hidden),
-                         p + "ffn_gate.weight": (shape.ffn, shape.hidden),
-                         p + "ffn_up.weight": (shape.ffn, shape.hidden),
-                         p + "ffn_down.weight": (shape.hidden, shape.ffn)})
-    norms = ["output_norm.weight"] + [f"blk.{i}.{n}" for i in range(shape.layers) for n in ("attn_norm.weight",
-                                                                                            "ffn_norm.weight")]
-    # NOTE: the writer keeps every added tensor in memory until it writes them; a 1.1B model in
-    # Q4_0 holds ~0.7 GB that way, which is fine here (the float values are made one at a time).
-    for name, dims in matrices.items():
-        qtype = gguf.GGMLQuantizationType[next((t for end, t in overrides.items() if name.endswith(end)), base)]
-        values = (rng.standard_normal(dims, dtype=np.float32) * 0.02)
-        if qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, values)
-        elif qtype in K_QUANTIZERS:
-            writer.add_tensor(name, K_QUANTIZERS[qtype](values), raw_dtype=qtype)
+    plan = []  # (name, [out, in] dims per matrix (experts: leading count), GGML type)
+    for name, dims in _matrices(shape, vocab, tied_embeddings).items():
+        # a mix's rule names a tensor (output.weight is the head, not attn_output); ffn_down covers ffn_down_exps
+        plain = name.replace("_exps.", ".")
+        qtype = gguf.GGMLQuantizationType[next((t for end, t in overrides.items()
+                                                if plain == end or plain.endswith("." + end)), base)]
+        plan.append((name, dims, qtype))
+    plan += [(name, dims, gguf.GGMLQuantizationType.F32) for name, dims in _vectors(shape).items()]
+    for name, dims, qtype in plan:
+        block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        byte_dims = (*dims[:-1], dims[-1] // block * type_bytes)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            writer.add_tensor_info(name, dims, np.dtype(np.float32 if qtype == gguf.GGMLQuantizationType.F32
+                                                        else np.float16), int(np.prod(byte_dims)), raw_dtype=qtype)
         else:
-            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
-    for name in norms:
-        writer.add_tensor(name, np.ones(shape.hidden, dtype=np.float32))
+            writer.add_tensor_info(name, byte_dims, np.dtype(np.uint8), int(np.prod(byte_dims)), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for name, dims, qtype in plan:
+        if len(dims) == 1:  # norms
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        rows = [dims] if len(dims) == 2 else [dims[1:]] * dims[0]  # experts one at a time
+        data = [_random_matrix(rng, rows_dims, qtype, name) for rows_dims in rows]
+        writer.write_tensor_data(data[0] if len(data) == 1 else np.stack(data))
     writer.close()
     return path
+
+
+def _random_matrix(rng, dims: tuple[int, int], qtype, name: str) -> np.ndarray:
+    """One [out, in] matrix of random weights (std 0.02; a router's larger, so that it chooses) as GGML type
+    `qtype` stores it."""
+    import gguf
+    from gguf.quants import quantize
+
+    k_quantizers = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+                    gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
+                    gguf.GGMLQuantizationType.Q2_K: quantize_q2_k,
+                    gguf.GGMLQuantizationType.IQ4_NL: quantize_iq4_nl,
+                    gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
+    values = rng.standard_normal(dims, dtype=np.float32) * (0.5 if name.endswith("ffn_gate_inp.weight") else 0.02)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return values
+    if qtype in k_quantizers:
+        return k_quantizers[qtype](values)
+    return quantize(values, qtype)
 
 
 def write_truncated_gguf(source: Path, path: Path, num_layers: int) -> Path:

@@ -14,13 +14,14 @@ import torch
 
 from brisk import kernels
 from brisk.config import QUANTIZATION_CHOICES, ModelConfig
+from brisk.families import FAMILIES
 from brisk.errors import BriskError, ModelLoadError
 from brisk.kernels.paths import compute_paths
 from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
 from brisk.cache_dir import cache_dir
 from brisk.loading.report import LoadReport
-from brisk.models import quant
+from brisk.models import moe, quant
 from brisk.models.linear import Linear
 from brisk.models.decoder import DecoderForCausalLM
 from brisk.models.registry import ModelSource, resolve
@@ -131,11 +132,41 @@ def model_state(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         for kind in ("weight", "bias"):
             _fuse(tensors, f"{attn}qkv_proj.{kind}", [f"{attn}{p}_proj.{kind}" for p in "qkv"])
+        if cfg.is_moe_layer(i):
+            _stack_experts(tensors, i, cfg)
+            mlp += "shared_expert."
         _fuse(tensors, f"{mlp}gate_up_proj.weight", [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"])
     if cfg.norm_weight_offset:  # Gemma's RMSNorm scales by (1 + w): folded in once, in float32 as HF computes it
         for name in [n for n in tensors if n.endswith("norm.weight")]:
             tensors[name] = tensors[name].float() + cfg.norm_weight_offset
     return tensors
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], layer: int, cfg: ModelConfig) -> None:
+    """A layer's experts as the model holds them: `mlp.experts.gate_up_proj.weight` [E, 2 * I, H] (each expert's
+    gate rows, then its up rows) and `mlp.experts.down_proj.weight` [E, H, I], from the Hub's one tensor per
+    expert and projection (Mixtral's w1/w3/w2 under block_sparse_moe), or from transformers 5's stacked ones;
+    the router becomes `mlp.gate.weight`."""
+    spec = FAMILIES[cfg.architecture].experts
+    src, dst = f"model.layers.{layer}.{spec.module}.", f"model.layers.{layer}.mlp."
+    if src != dst and f"{src}gate.weight" in tensors:
+        tensors[f"{dst}gate.weight"] = tensors.pop(f"{src}gate.weight")
+    for name in ("gate_up_proj", "down_proj"):  # transformers 5's own layout: stacked already
+        if f"{dst}experts.{name}" in tensors:
+            tensors[f"{dst}experts.{name}.weight"] = tensors.pop(f"{dst}experts.{name}")
+    gate, up, down = spec.projections
+    per_expert = [f"{src}experts.{e}." for e in range(cfg.moe.num_experts)]
+    if f"{per_expert[0]}{gate}.weight" not in tensors:
+        return  # stacked already, or missing (the load names what is missing)
+    try:
+        stacked = {"gate_up_proj": [torch.cat([tensors.pop(f"{e}{gate}.weight"), tensors.pop(f"{e}{up}.weight")])
+                                    for e in per_expert],
+                   "down_proj": [tensors.pop(f"{e}{down}.weight") for e in per_expert]}
+    except KeyError as e:
+        raise ModelLoadError(f"checkpoint lacks expert tensor {e.args[0]} of layer {layer} ({cfg.moe.num_experts} "
+                             "experts in config.json)") from None
+    for name, weights in stacked.items():
+        tensors[f"{dst}experts.{name}.weight"] = torch.stack(weights)
 
 
 def _expected_names(model: DecoderForCausalLM) -> set[str]:
@@ -165,31 +196,48 @@ def _quantize_at_load(tensors: dict[str, torch.Tensor], method: str,
     head; for bf16/f16 the embeddings too) becomes quantized blocks or 16-bit floats; the float
     originals are dropped (a mapped original gives its pages back once a new copy replaces it)."""
     for name in [n for n in tensors if quant.converts(n, method)]:
-        quant.check_quantizable(name, tuple(tensors[name].shape), method)
+        shape = tuple(tensors[name].shape)
+        quant.check_quantizable(name, shape[-2:] if len(shape) == 3 else shape, method)  # 3-D: stacked experts
         base = name.removesuffix(".weight")
         original = tensors.pop(name)
-        blocks = quant.QUANTIZERS[method](original)
-        if quant.tileable(name, quant.method_format(method), blocks["qweight"].shape[0]):
-            blocks = quant.tile(blocks)
+        blocks = _quantized_blocks(name, original, method)
         if blocks["qweight"].data_ptr() != original.data_ptr():
             any(m.release(original) for m in maps)
         for suffix, t in blocks.items():
             tensors[f"{base}.{suffix}"] = t
 
 
+def _quantized_blocks(name: str, weight: torch.Tensor, method: str) -> dict[str, torch.Tensor]:
+    """A float weight [N, K] (or stacked experts [E, N, K], each expert by itself) in `method`'s format, tiled
+    where its rows fill tiles."""
+    if weight.dim() == 3:
+        experts = [_quantized_blocks(name, w, method) for w in weight]
+        return {k: experts[0][k] if k == quant.CODEBOOK else torch.stack([e[k] for e in experts]) for k in experts[0]}
+    blocks = quant.QUANTIZERS[method](weight)
+    if quant.tileable(name, quant.method_format(method), blocks["qweight"].shape[0]):
+        blocks = quant.tile(blocks)
+    return blocks
+
+
 def _dequantize_all(tensors: dict[str, torch.Tensor]) -> None:
     """Quantized weights -> float ones (a stacked projection's parts, `name.parts.{i}`, into one `name.weight`)."""
     for base in sorted(n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")):
-        bits = quant.QuantFormat.of(tensors, base).kernel_bits
+        stacked = ".experts." in base  # stacked experts: each expert by itself
+        bits = (moe.expert_format if stacked else quant.QuantFormat.of)(tensors, base).kernel_bits
         qweight, scales, mins, subscales = (tensors.pop(f"{base}.{s}", None) for s in quant.QUANT_SUFFIXES)
         tensors.pop(f"{base}.{quant.CODEBOOK}", None)
-        tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits, subscales=subscales)
+        if stacked:
+            tensors[f"{base}.weight"] = torch.stack([kernels.dequantize(
+                qweight[e], scales[e] if scales is not None else None, None if mins is None else mins[e], bits,
+                subscales=None if subscales is None else subscales[e]) for e in range(qweight.shape[0])])
+        else:
+            tensors[f"{base}.weight"] = kernels.dequantize(qweight, scales, mins, bits, subscales=subscales)
     for name in sorted(n for n in tensors if n.endswith(f"{quant.PARTS}0.weight")):
         stacked = name.removesuffix(f"{quant.PARTS}0.weight")
         parts = []
         while f"{stacked}{quant.PARTS}{len(parts)}.weight" in tensors:
             parts.append(tensors.pop(f"{stacked}{quant.PARTS}{len(parts)}.weight"))
-        tensors[f"{stacked}.weight"] = torch.cat(parts)
+        tensors[f"{stacked}.weight"] = torch.cat(parts, dim=1 if ".experts." in stacked else 0)  # experts: [E, N, K]
 
 
 def _check_memory(source: Path, model_dir: Path, quantization: str, max_model_len: int | None,
@@ -305,6 +353,10 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
 
     with report.phase("config"):
         cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))
+        report.parameters_total, report.parameters_active = cfg.parameter_counts()
+        if cfg.moe is not None:
+            report.experts = (f"{cfg.moe.experts_per_token} of {cfg.moe.num_experts} experts a token in "
+                              f"{len(cfg.moe.layers)} of {cfg.num_layers} layers")
         max_len = max_model_len or cfg.max_position_embeddings
         if max_len <= 0:
             raise BriskError(f"--max-model-len {max_len} must be positive")
@@ -320,7 +372,9 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
             _dequantize_all(tensors)
         report.weight_bytes = sum(t.numel() * (t.element_size() if _is_quantized(n) or not t.is_floating_point()
                                                else torch_dtype.itemsize) for n, t in tensors.items())  # as placed
-        report.weight_formats = _layer_formats(quant.install(net, tensors, cfg.tie_word_embeddings, torch_dtype))
+        formats = quant.install(net, tensors, cfg.tie_word_embeddings, torch_dtype)
+        formats.update(moe.install_experts(net, tensors))
+        report.weight_formats = _layer_formats(formats)
         missing = sorted(_expected_names(net) - tensors.keys())
         if missing:
             raise ModelLoadError(

@@ -25,9 +25,12 @@ def gguf_weight_bytes(path: Path, quantization: str) -> tuple[int, dict]:
     header = read_gguf_header(path)
     half = quantization in quant.HALF_METHODS
     mode = "auto" if half else quantization
+    shares_table = gguf_convert.shared_codebooks(header.tensors)
     total = 0
     for tensor in header.tensors:
-        name, shape = tensor.name, tensor.shape
+        name, shape, copies = tensor.name, tensor.shape, 1
+        if len(shape) == 3:  # stacked experts: each expert is stored as a [out, in] weight is
+            copies, shape = shape[0], shape[1:]
         qtype = check_type(str(path), name, tensor.type_name)
         fmt = gguf_convert.target_format(name, qtype, shape, mode)
         kept = gguf_convert.kept_type(qtype, shape, mode) if half else "F32"
@@ -35,7 +38,10 @@ def gguf_weight_bytes(path: Path, quantization: str) -> tuple[int, dict]:
             numel = 1
             for dim in (shape if fmt is None else gguf_convert.stored_shape(suffix, *shape, fmt)):
                 numel *= dim
-            total += numel * {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1}[dtype]
+            if suffix == quant.CODEBOOK and name in shares_table:
+                continue  # fused into a weight whose first part stores the table
+            total += numel * (1 if suffix == quant.CODEBOOK else copies) * \
+                {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1}[dtype]
     return total, header.metadata
 
 

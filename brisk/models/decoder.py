@@ -9,7 +9,10 @@ layers between their model files:
   soft-capping, `query_pre_attn_scalar`, alternating sliding/global layers; Gemma 3: Gemma 2's
   block with q/k norms and a RoPE of their own for the sliding layers;
 - Phi-3/3.5/4: fused qkv and gate_up as stored, LongRoPE, partial rotary dimensions;
-- SmolLM3: some layers without RoPE.
+- SmolLM3: some layers without RoPE;
+- mixtures of experts (brisk.models.moe): Mixtral's Llama block, Qwen3-MoE's Qwen3 block, Qwen2-MoE's
+  Qwen2 block with a shared expert, OLMoE's block with q/k norms over the whole projection, each with its
+  MLP replaced by the expert layer (in every layer, or where decoder_sparse_step says).
 
 The model computes over a flat batch of tokens: `input_ids` [T] and `positions` [T] may hold
 several sequences back to back. How K/V are stored and attended is up to the `attention` object
@@ -32,6 +35,7 @@ from brisk.config import ModelConfig
 from brisk.kernels import fused
 from brisk.models.layers import RMSNorm, RopeTables, RotaryEmbedding
 from brisk.models.linear import Linear
+from brisk.models.moe import SparseMoeBlock
 
 
 class Attention(Protocol):
@@ -48,9 +52,13 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:  # one weight [head_dim] shared by every head
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":  # one weight [head_dim] shared by every head
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":  # over the whole projection (OLMoE)
+            self.q_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope: RopeTables | None, attention: Attention):
         num_tokens = x.shape[0]
@@ -67,10 +75,15 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out)
 
     def _normed_qk(self, qkv: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k normalized head by head, then rotated: [T, heads, head_dim] each."""
+        """q and k normalized head by head (or each over its whole projection), then rotated:
+        [T, heads, head_dim] each."""
         num_tokens = qkv.shape[0]
-        q = self.q_norm(qkv[:, :self.q_size].reshape(num_tokens * self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(-1, self.head_dim))
+        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(num_tokens * self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
+        else:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size)
         if rope is not None:
             rope.rotate_(q, self.num_heads, self.head_dim)
@@ -108,7 +121,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer_idx)
-        self.mlp = DecoderMLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else DecoderMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Llama: the norm before the MLP. Gemma 2/3 (sandwich): the norm of the attention's output,
         # with pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.

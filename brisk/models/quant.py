@@ -357,6 +357,8 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], tie_word_embeddi
     class (the model is still on the `meta` device). Returns {module name: format name}."""
     formats: dict[str, str] = {}
     for name, module in list(model.named_modules()):
+        if getattr(module, "stacks_experts", False):  # brisk.models.moe.install_experts gives these theirs
+            continue
         fmt = QuantFormat.of(tensors, name)
         if fmt is None and f"{name}{PARTS}0.qweight" in tensors and isinstance(module, nn.Linear):
             prefixes = []

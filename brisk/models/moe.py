@@ -1,0 +1,239 @@
+"""The mixture-of-experts layer: a router picks each token's k experts, and the step's rows are grouped by
+expert so that each chosen expert's weights are read once per step however many rows chose it (what
+llama.cpp's `ggml_mul_mat_id` and vLLM's CPU fused MoE do).
+
+Experts are stored stacked, as GGUF stores them (`ffn_{gate,up,down}_exps`: experts x out x in) and
+transformers 5 holds them: `experts.gate_up_proj` [E, 2 * I, H] (each expert's gate rows, then its up rows)
+and `experts.down_proj` [E, H, I], in float, or in any format brisk packs a linear in (the GGUF's own
+quantized blocks, kept packed; bfloat16/float16 as stored) with a leading expert dimension on every tensor.
+Where an expert's gate and up come in different quantized types, they are stored as two parts
+(`gate_up_proj.parts.{0,1}.*`).
+
+Routing follows transformers' SparseMoeBlock of each family (the reference): softmax over the router's
+logits in float32, the top k, renormalised to sum 1 where `norm_topk_prob`; Qwen2-MoE adds a shared
+expert every token takes, times the sigmoid of its own one-output gate.
+
+A row's output does not depend on its batch: the grouped matmuls are row-invariant (brisk's kernels), and
+each row sums its experts' contributions in the same order (by expert id) whether it is alone or among
+others, so a request's greedy tokens do not depend on what it is batched with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from brisk import kernels
+from brisk.config import ModelConfig
+from brisk.errors import BriskError
+from brisk.kernels import fused
+from brisk.models.linear import Linear
+from brisk.models.quant import CODEBOOK, PARTS, QuantFormat, _Blocks
+
+_SUFFIXES = ("qweight", "scales", "mins", "subscales")
+
+
+class ExpertLinear(nn.Module):
+    """E linears [N, K] stacked: a float `weight` [E, N, K], or quantized blocks (or 16-bit weights) with a
+    leading expert dimension, laid out per expert exactly as a QuantLinear's."""
+
+    stacks_experts = True  # brisk.models.quant.install leaves it to install_experts
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, fmt: QuantFormat | None = None):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features, self.fmt = num_experts, in_features, out_features, fmt
+        self._linears: list[Linear] | None = None  # float experts: each as a Linear (oneDNN packed on first use)
+        if fmt is None:
+            self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+            return
+        one = _Blocks(out_features, in_features, fmt)  # the buffers of one expert, on the device it is built on
+        for suffix in _SUFFIXES:
+            t = getattr(one, suffix, None)
+            if t is None:
+                setattr(self, suffix, None)
+            else:
+                self.register_buffer(suffix, torch.empty((num_experts, *t.shape), dtype=t.dtype))
+        if fmt.codebook:
+            self.register_buffer(CODEBOOK, torch.empty(16, dtype=torch.int8))
+
+    @property
+    def format_name(self) -> str:
+        return "float" if self.fmt is None else self.fmt.name
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [rows, K] -> [rows, N] through expert `expert`."""
+        if self.fmt is None:
+            return self._expert_linear(expert)(x)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        if self.fmt.bits == 16:
+            return kernels.half_matmul(x, self.qweight[expert], self.out_features)
+        return kernels.quant_matmul(x, self.qweight[expert], self.scales[expert],
+                                    None if self.mins is None else self.mins[expert], self.fmt.kernel_bits,
+                                    None if self.subscales is None else self.subscales[expert])
+
+    def _expert_linear(self, expert: int) -> Linear:
+        """A float expert as the dense layers' Linear (a view of its weight, packed for oneDNN on first use): the
+        same row-invariant matmul, so a row's output does not depend on how many rows chose the expert (torch's
+        F.linear changes a row's last bits with the row count). The packed copies sit beside the float weights;
+        a float mixture of experts is a test-sized one (served checkpoints are quantized or 16-bit)."""
+        if self._linears is None:
+            self._linears = []
+            for e in range(self.num_experts):
+                linear = Linear(self.in_features, self.out_features, bias=False, device="meta")
+                linear.weight = nn.Parameter(self.weight[e], requires_grad=False)
+                self._linears.append(linear)
+        return self._linears[expert]
+
+    def dequantized(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.fmt is None:
+            return self.weight[expert].to(dtype)
+        return kernels.dequantize(self.qweight[expert], self.scales[expert] if self.scales is not None else None,
+                                  None if self.mins is None else self.mins[expert], self.fmt.kernel_bits, dtype,
+                                  None if self.subscales is None else self.subscales[expert])
+
+
+class StackedExpertLinear(nn.Module):
+    """Expert projections whose parts keep different formats (gate in one quantized type, up in another):
+    the parts' output rows in order, as StackedQuantLinear stacks a dense projection's."""
+
+    stacks_experts = True
+
+    def __init__(self, num_experts: int, in_features: int, parts: list[tuple[int, QuantFormat]]):
+        super().__init__()
+        self.parts = nn.ModuleList(ExpertLinear(num_experts, in_features, rows, fmt) for rows, fmt in parts)
+        self.num_experts, self.in_features = num_experts, in_features
+        self.out_features = sum(rows for rows, _ in parts)
+
+    @property
+    def format_name(self) -> str:
+        return " & ".join(p.format_name for p in self.parts)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return torch.cat([p(x, expert) for p in self.parts], dim=-1)
+
+    def dequantized(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantized(expert, dtype) for p in self.parts])
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = ExpertLinear(num_experts, hidden, 2 * intermediate)
+        self.down_proj = ExpertLinear(num_experts, intermediate, hidden)
+
+    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; top_ids, top_weights [T, k] -> [T, H]: each row's weighted sum of its experts' SwiGLU,
+        the experts taken in id order, each once for all the rows that chose it."""
+        out = torch.zeros_like(x, dtype=torch.float32)
+        k = top_ids.shape[1]
+        flat = top_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (row, choice) pairs grouped by expert, rows ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows_of, weights = order // k, top_weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = rows_of[start:start + count]
+            h = fused.silu_mul(self.gate_up_proj(x[rows], expert))
+            y = self.down_proj(h, expert)
+            out.index_add_(0, rows, y * weights[start:start + count, None].to(y.dtype))
+            start += count
+        return out
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (top ids [T, k], their weights [T, k] float32): softmax, top k, and
+    renormalised to sum 1 where asked (transformers' TopKRouter)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+class SharedExpertMLP(nn.Module):
+    """Qwen2-MoE's shared expert: a dense SwiGLU MLP every token takes."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP as a mixture of experts (in place of DecoderMLP)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        if cfg.hidden_act != "silu":
+            raise BriskError(f"{cfg.architecture}: experts with activation {cfg.hidden_act!r} are not implemented "
+                             "(brisk's experts are SwiGLU)")
+        self.top_k, self.renormalise = moe.experts_per_token, moe.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpertMLP(cfg.hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (the post-attention norm's output) -> [T, H]."""
+        ids, weights = route(self.gate(x), self.top_k, self.renormalise)
+        out = self.experts(x, ids, weights)
+        if hasattr(self, "shared_expert"):
+            out += torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
+        return out.to(x.dtype)
+
+
+def expert_parts(tensors: dict[str, torch.Tensor], prefix: str) -> list[str]:
+    """The stored parts of a stacked expert projection (`prefix.parts.{i}`), or [] when it is stored whole."""
+    parts = []
+    while f"{prefix}{PARTS}{len(parts)}.qweight" in tensors:
+        parts.append(f"{prefix}{PARTS}{len(parts)}")
+    return parts
+
+
+def expert_format(tensors: dict[str, torch.Tensor], prefix: str) -> QuantFormat | None:
+    """The format of a stacked expert weight stored at `prefix`, read from its first expert's tensors."""
+    first = {f"{prefix}.{s}": tensors[f"{prefix}.{s}"][0] for s in _SUFFIXES if f"{prefix}.{s}" in tensors}
+    if f"{prefix}.{CODEBOOK}" in tensors:
+        first[f"{prefix}.{CODEBOOK}"] = tensors[f"{prefix}.{CODEBOOK}"]
+    return QuantFormat.of(first, prefix)
+
+
+def _part_rows(tensors: dict[str, torch.Tensor], prefix: str) -> int:
+    """Output rows of the stacked expert weight at `prefix` ([E, N/8, ...] tiled, [E, N, ...] by rows)."""
+    tiled = tensors[f"{prefix}.qweight"].dim() == 4
+    return tensors[f"{prefix}.scales"].shape[1] * (kernels.TILE_ROWS if tiled else 1)
+
+
+def install_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Give every stacked expert projection the format its checkpoint tensors are stored in (the model is
+    still on the `meta` device). Returns {module name: format name}."""
+    formats: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, ExpertLinear):
+            continue
+        parts = expert_parts(tensors, name)
+        with torch.device("meta"):
+            if parts:
+                stacked = [(_part_rows(tensors, p), expert_format(tensors, p)) for p in parts]
+                if sum(rows for rows, _ in stacked) != module.out_features:
+                    raise BriskError(f"checkpoint tensors {name}{PARTS}* do not make up {name} "
+                                     f"({module.out_features} rows); convert the model again")
+                replacement = StackedExpertLinear(module.num_experts, module.in_features, stacked)
+            elif f"{name}.qweight" in tensors:
+                replacement = ExpertLinear(module.num_experts, module.in_features, module.out_features,
+                                           expert_format(tensors, name))
+            else:
+                continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, replacement)
+        formats[name] = replacement.format_name
+    return formats
