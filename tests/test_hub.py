@@ -36,7 +36,28 @@ def repos(tmp_path_factory):
     checkpoint = {**_files(root / "tiny"), "README.md": b"# tiny", "original/consolidated.pth": b"not read"}
     gguf = write_tiny_gguf(root / "tiny-F32.gguf").read_bytes()
     return {"org/tiny": checkpoint,
-            "org/tiny-GGUF": {"tiny-F32.gguf": gguf, "tiny-Q4_K_M.gguf": gguf, "README.md": b"# gguf"}}
+            "org/tiny-GGUF": {"tiny-F32.gguf": gguf, "tiny-Q4_K_M.gguf": gguf, "README.md": b"# gguf"},
+            **_moe_repos(root)}
+
+
+def _moe_repos(root: Path) -> dict[str, dict[str, bytes]]:
+    """Qwen3-30B-A3B under its real Hub names, at a tiny size: the checkpoint in shards with their index (as the
+    Hub has it), and the GGUF repo's Q4_K_M (a random Qwen3-MoE-shaped GGUF in llama.cpp's Q4_K_M mix)."""
+    from tokenizers import Tokenizer, models
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from brisk.loading.gguf_random import Shape, write_random_gguf
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64)
+    Qwen3MoeForCausalLM(config).save_pretrained(root / "moe", max_shard_size="40KB")
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0")).save(str(root / "moe" / "tokenizer.json"))
+    shape = Shape(hidden=256, layers=1, ffn=512, heads=4, kv_heads=2, context=64, head_dim=64, experts=4,
+                  experts_used=2, expert_ffn=256, arch="qwen3moe")
+    gguf = write_random_gguf(root / "moe-Q4_K_M.gguf", shape, "Q4_K_M", None, small_vocab=64).read_bytes()
+    return {"Qwen/Qwen3-30B-A3B": _files(root / "moe"),
+            "unsloth/Qwen3-30B-A3B-GGUF": {"Qwen3-30B-A3B-Q4_K_M.gguf": gguf, "Qwen3-30B-A3B-Q8_0.gguf": b"not read"}}
 
 
 @pytest.fixture
@@ -70,6 +91,18 @@ def test_a_gguf_repo_gives_the_quant_asked_for_or_q4_k_m(hub):
     with pytest.raises(ModelLoadError, match=r"'org/tiny-GGUF' has no GGUF of type Q2_K; its GGUFs: tiny-F32"):
         resolve("org/tiny-GGUF:Q2_K")
     assert load("org/tiny-GGUF:F32", warmup=False).config.num_layers == 1
+
+
+def test_a_mixture_of_experts_arrives_by_its_hub_names(hub):
+    """`brisk serve Qwen/Qwen3-30B-A3B` (safetensors shards) and `unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M`."""
+    source = resolve("Qwen/Qwen3-30B-A3B")
+    assert source.kind == "hf-dir" and len(list(source.path.glob("model-*.safetensors"))) > 1
+    loaded = load(source, warmup=False, quantization="none")
+    assert loaded.config.moe.num_experts == 4 and loaded.config.moe.norm_topk_prob
+    gguf = resolve("unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M")
+    assert gguf.path.name == "Qwen3-30B-A3B-Q4_K_M.gguf"
+    loaded = load(gguf, warmup=False)
+    assert loaded.config.moe.experts_per_token == 2 and loaded.report.parameters_active < loaded.report.parameters_total
 
 
 def test_a_dropped_download_resumes_where_it_stopped(hub):

@@ -254,3 +254,34 @@ def test_each_family_serves_the_openai_sdk_from_its_gguf_and_doctor_finds_nothin
         assert whole.usage.completion_tokens == 12 and streamed == whole.choices[0].message.content
         report = run_doctor(live.url, tmp_path)
     assert "problem" not in statuses(report).values(), report["findings"]
+
+
+def test_qwen3_moe_thinks_through_the_qwen3_reasoning_parser(built):
+    """Qwen3-MoE with Qwen3's own chat template (Qwen3-30B-A3B ships the same one) and --reasoning-parser qwen3:
+    a thinking block (written here by a regex: the weights are random) comes back as reasoning_content, whole
+    and streamed."""
+    import copy
+    import dataclasses
+
+    from brisk.engine.engine import LLMEngine
+    from brisk.config import CacheConfig
+    from brisk.engine.scheduler import SchedulerConfig
+
+    loaded = load(str(built("qwen3moe").gguf), max_model_len=MAX_LEN)
+    tokenizer = copy.copy(loaded.tokenizer)
+    tokenizer.set_chat_template((llamacpp_dir() / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text())
+    engine = LLMEngine(dataclasses.replace(loaded, tokenizer=tokenizer), CacheConfig(num_gpu_blocks_override=256),
+                       SchedulerConfig(max_model_len=MAX_LEN))
+    with serve_engine(engine, served_model_name="qwen3moe", reasoning_parser="qwen3") as live:
+        client = live.openai()
+        kw = dict(model="qwen3moe", messages=[{"role": "user", "content": "2+2?"}], max_tokens=60, temperature=0,
+                  extra_body={"guided_regex": r"<think>[a-z ]{3,20}</think>[A-Za-z ]{3,20}"})
+        whole = client.chat.completions.create(**kw).choices[0].message
+        reasoning = whole.model_extra["reasoning_content"]
+        assert reasoning and whole.content and "think>" not in whole.content + reasoning
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed["content"] += c.delta.content or ""
+                streamed["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+        assert streamed == {"reasoning_content": reasoning, "content": whole.content}

@@ -134,6 +134,18 @@ def test_the_memory_plan_counts_expert_bytes_exactly(moe_gguf, brisk_cache):
     assert load(str(moe_gguf), warmup=False).report.weight_bytes == predicted
 
 
+def test_kv_plan_sizes_the_weights_with_every_expert(brisk_cache, tmp_path):
+    """`brisk kv-plan` reports the weights beside the KV budget: all experts in their packed format (the bytes
+    the server holds) and the parameters a token reads."""
+    from brisk.kvplan.plan import model_shape
+
+    path = write_random_gguf(tmp_path / "moe.gguf", MOE, "Q4_K_M", None)
+    shape = model_shape(str(path), "float32")
+    loaded = load(str(path), warmup=False)
+    assert shape.weight_bytes == loaded.report.weight_bytes
+    assert shape.parameters == (loaded.report.parameters_total, loaded.report.parameters_active)
+
+
 def test_the_load_report_names_total_and_active_parameters(brisk_cache, tmp_path):
     path = write_random_gguf(tmp_path / "moe.gguf", MOE, "Q8_0", None)
     report = load(str(path), warmup=False).report

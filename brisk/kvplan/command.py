@@ -32,6 +32,15 @@ def _buckets(text: str) -> tuple[list[int], list[float]]:
     return sizes, shares
 
 
+def _weights_line(shape, memory: int) -> str:
+    """What the machine needs beside the KV cache: the weights as brisk serve holds them (a mixture of experts:
+    every expert, though a token reads only its active ones)."""
+    total, active = shape.parameters
+    params = f"{total / 1e9:.2f}B parameters" + (f", {active / 1e9:.2f}B active per token" if active != total else "")
+    return (f"weights {shape.weight_bytes / 2**30:.2f} GiB as brisk serve holds them ({params}); with this KV cache "
+            f"the server needs {(shape.weight_bytes + memory) / 2**30:.2f} GiB")
+
+
 def cmd_kv_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -91,6 +100,7 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                   + f", model {shape.name}: {per_token} bytes/token ({shape.detail}); "
                   f"memory {args.memory} = {inputs.capacity_tokens:,} tokens; max_model_len {max_model_len}; "
                   f"step {inputs.step_s * 1e3:.0f} ms + prompt tokens at {inputs.prefill_tps:g}/s")
+    console.print(_weights_line(shape, memory))
     console.print(fit_table(fits))
     console.print(strategy_table(results))
     console.print(f"[bold green]recommendation[/]: paged KV, block size {plan['block_size']}, "
@@ -105,6 +115,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
         doc = {"brisk_kv_plan_schema": 2, "requests": len(trace), "skipped_lines": loaded.skipped,
                "aborted_requests": loaded.aborted, "prefill_tps": inputs.prefill_tps,
                "bytes_per_token": per_token, "model": shape.name, "memory_bytes": memory,
+               "weight_bytes": shape.weight_bytes, "parameters_total": shape.parameters[0],
+               "parameters_active": shape.parameters[1],
                "capacity_tokens": inputs.capacity_tokens, "max_model_len": max_model_len, "step_s": inputs.step_s,
                "fits": {k: v.to_dict() for k, v in fits.items()},
                "strategies": [r.to_dict() for r in results], "recommendation": plan}

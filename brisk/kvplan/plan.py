@@ -20,6 +20,8 @@ class ModelShape:
     max_model_len: int
     detail: str
     kv_dtype: str = "float32"  # canonical (brisk/kv_dtype.py): what brisk serve's --kv-cache-dtype gets
+    weight_bytes: int = 0  # the weights as brisk serve holds them (memory plan: experts counted in their format)
+    parameters: tuple[int, int] = (0, 0)  # (total, active per token)
 
 
 def model_shape(model: str | None, kv_dtype: str) -> ModelShape:
@@ -40,10 +42,22 @@ def model_shape(model: str | None, kv_dtype: str) -> ModelShape:
         config = json.loads((Path(src.path) / "config.json").read_text(encoding="utf-8"))
     cfg = ModelConfig.from_hf_dict(config, str(src.path))
     per_token = cfg.kv_bytes_per_token(kv)
+    weight_bytes = _weight_bytes(src)
     detail = (f"{cfg.num_layers} layers × {cfg.num_kv_heads} KV heads × {cfg.head_dim} dims × 2 (K, V) × "
               f"{kv.bytes_per_element(cfg.head_dim):g} bytes ({kv.name}"
               + (", its scale per token and head included)" if kv.scaled else ")"))
-    return ModelShape(src.name, per_token, cfg.max_position_embeddings, detail, kv.name)
+    return ModelShape(src.name, per_token, cfg.max_position_embeddings, detail, kv.name, weight_bytes,
+                      cfg.parameter_counts())
+
+
+def _weight_bytes(src) -> int:
+    """The weights' bytes as `brisk serve` holds them on this CPU, from file headers alone (brisk's memory plan:
+    quantized experts and layers in their own formats, 16-bit checkpoints kept 16-bit)."""
+    from brisk.loading import memory_plan
+
+    if src.kind == "gguf":
+        return memory_plan.gguf_weight_bytes(src.path, "auto")[0]
+    return memory_plan.checkpoint_weight_bytes(Path(src.path), "auto", 4)
 
 
 @dataclass
