@@ -82,6 +82,14 @@ def test_experts_are_packed_as_stored_and_dequantize_as_gguf_does(moe_gguf, bris
         assert ours * 8 == weights * kept and kept / stored <= 1.04, (ours * 8 / weights, stored)
 
 
+def _float_activation_experts(x, qweight, scales, mins, bits, subscales, experts, offsets):
+    """kernels.quant_matmul_experts with float activations (the kernels' reference, expert by expert)."""
+    return torch.cat([kernels.reference_matmul(x[offsets[i]:offsets[i + 1]], qweight[e], scales[e],
+                                               None if mins is None else mins[e], bits,
+                                               None if subscales is None else subscales[e],
+                                               quantized_activations=False) for i, e in enumerate(experts)])
+
+
 def test_packed_experts_compute_the_float_model_up_to_activation_rounding(moe_gguf, brisk_cache, monkeypatch):
     """With the kernels' int8 activation blocks swapped for float activations, the packed model computes the
     dequantized float model's logits; with them, the top token rarely changes."""
@@ -92,11 +100,35 @@ def test_packed_experts_compute_the_float_model_up_to_activation_rounding(moe_gg
     if not moe_gguf.stem.endswith("BF16"):  # (bf16 weights take float32 activations: nothing to swap)
         with monkeypatch.context() as m:
             m.setattr(kernels, "quant_matmul", lambda *a: kernels.reference_matmul(*a, quantized_activations=False))
+            m.setattr(kernels, "quant_matmul_experts", _float_activation_experts)
             exact = _logits(packed, ids)
         torch.testing.assert_close(exact, reference, rtol=1e-4, atol=1e-4)
     else:
         torch.testing.assert_close(served, reference, rtol=1e-4, atol=1e-4)
     assert float((served.argmax(-1) == reference.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_the_grouped_kernel_gives_each_expert_what_its_own_matmul_gives(moe_gguf, brisk_cache):
+    """kernels.quant_matmul_experts (every chosen expert in one call) against quant_matmul expert by expert, on
+    every path this CPU has: the same bits, rows grouped unevenly (one expert with 9 rows, one with 1)."""
+    from isa_paths import MATMUL_PATHS
+
+    proj = load(str(moe_gguf), warmup=False).model.model.layers[0].mlp.experts.down_proj
+    projections = [p for p in (proj.parts if isinstance(proj, StackedExpertLinear) else [proj]) if p.fmt.bits != 16]
+    x = torch.randn(14, proj.in_features, generator=torch.Generator().manual_seed(3))
+    experts, offsets = [6, 1, 3], [0, 9, 10, 14]
+    lib = kernels.library()
+    lib.brisk_kernels_force_isa(-1)
+    native = lib.brisk_kernels_isa()
+    try:
+        for level in (lvl for lvl in sorted(MATMUL_PATHS, reverse=True) if lvl <= native):
+            lib.brisk_kernels_force_isa(level)
+            for p in projections:
+                grouped = p.grouped(x, experts, offsets)
+                alone = torch.cat([p(x[offsets[i]:offsets[i + 1]], e) for i, e in enumerate(experts)])
+                assert torch.equal(grouped, alone), (MATMUL_PATHS[level], p.fmt.name)
+    finally:
+        lib.brisk_kernels_force_isa(-1)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0", "BF16", "float"])

@@ -151,6 +151,35 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor | 
     return out
 
 
+def quant_matmul_experts(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                         bits: int, subscales: torch.Tensor | None, experts: list[int], offsets: list[int]) -> torch.Tensor:
+    """A mixture of experts' grouped matmul: x [A, K] float32 contiguous, its rows grouped by expert (rows
+    offsets[i] .. offsets[i + 1] - 1 go through expert experts[i]) -> [A, N], with the experts' weights stacked
+    and tiled ([E, ...] of each array a tiled quant_matmul takes). One compiled call reads each expert's weights
+    once for all its rows; every row gets the bits quant_matmul gives it alone."""
+    rows, k = x.shape
+    n = scales.shape[1] * TILE_ROWS
+    lib = library()
+    if lib is None:
+        return torch.cat([reference_matmul(x[offsets[i]:offsets[i + 1]], qweight[e], scales[e],
+                                           None if mins is None else mins[e], bits,
+                                           subscales=None if subscales is None else subscales[e])
+                          for i, e in enumerate(experts)])
+    xq, xd, xs, xn = _scratch(rows, k)
+    out = torch.empty(rows, n, dtype=torch.float32)
+    ids = torch.tensor(experts, dtype=torch.int64)
+    offs = torch.tensor(offsets, dtype=torch.int64)
+
+    def stride(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.stride(0) * t.element_size()
+
+    if lib.brisk_quant_matmul_experts(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(mins), _ptr(subscales),
+                                      stride(qweight), stride(scales), stride(mins), stride(subscales), ids.data_ptr(),
+                                      offs.data_ptr(), len(experts), bits, n, k, xq, xd, xs, xn, out.data_ptr()):
+        raise ValueError(f"quant_matmul_experts: a {n}x{k} expert weight is not in whole tiles and blocks")
+    return out
+
+
 def attention_isa() -> str:
     lib = library()
     if lib is None:

@@ -33,6 +33,8 @@ class Scratch(ctypes.Structure):  # BriskScratch
 # name -> (argument types, return type), as brisk_abi.h declares them
 SIGNATURES = {
     "brisk_quant_matmul": ([_p, _p, _p, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
+    "brisk_quant_matmul_experts": ([_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i32, _i64, _i64, _p, _p,
+                                    _p, _p, _p], _i32),
     "brisk_kernels_isa": ([], _i32),
     "brisk_kernels_force_isa": ([_i32], None),
     "brisk_half_matmul": ([_p, _p, _i32, _i64, _i64, _i64, _p], _i32),

@@ -58,6 +58,14 @@ extern "C" {
 void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
                         const uint8_t* wsub, int bits, int tiled, int64_t M, int64_t N, int64_t K, int8_t* xq,
                         float* xd, float* xs, int32_t* xn, float* out);
+// The same for a mixture of experts' stacked tiled weights: out [A, N], rows offsets[e] .. offsets[e + 1] - 1 of
+// x [A, K] (grouped by expert) times expert experts[e]'s W, whose arrays start at wq + experts[e] * q_stride
+// (bytes; likewise wd, wm, wsub); one pass over every (expert, tile), each expert read once. Scratch sized
+// for A rows. 0, or 1 for a shape the kernel does not take.
+int brisk_quant_matmul_experts(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
+                               const uint8_t* wsub, int64_t q_stride, int64_t d_stride, int64_t m_stride,
+                               int64_t sub_stride, const int64_t* experts, const int64_t* offsets, int64_t E, int bits,
+                               int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn, float* out);
 int brisk_kernels_isa();
 void brisk_kernels_force_isa(int isa);
 

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 #include <omp.h>
@@ -1309,6 +1310,91 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
     }
 }
 
+// ---------------------------------------------------------------- mixtures of experts
+// Several experts' tiled weights over one batch of activation rows grouped by expert (rows
+// off[e] .. off[e + 1] - 1 go through expert e): one parallel pass over every (expert, tile) item, so each
+// expert's weights are read once for all the rows that chose it (llama.cpp's mul_mat_id), in one call and one
+// OpenMP region per projection instead of one per expert. Each row gets the bits matmul() gives it alone.
+
+struct Int4Tiles {  // int4 (GGUF Q4_0, Q4_1, Q4_K): tile_pair_vnni / tile_rows_vnni / tile_rows, as matmul() picks
+    template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                       int64_t N) { tile_pair_vnni<MT>(w, t, a, r, K, out, N); }
+    template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
+                                      int64_t N) {
+        if (kernel_isa() >= 3) tile_rows_vnni<MT>(w, t, a, r, K, out, N);
+        else tile_rows<MT>(w, t, a, r, K, out, N);
+    }
+    static float scalar(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+        return dot_scalar_tiled(w, n, a, r, K);
+    }
+    static constexpr int64_t PAIR_ROWS = 8;  // below, one tile at a time is faster (matmul()'s measurements)
+};
+
+template <class L>  // the other tiled types take tile pairs at any row count on VNNI (matmul_tiles)
+constexpr int64_t pair_rows() {
+    if constexpr (std::is_same<L, Int4Tiles>::value) return Int4Tiles::PAIR_ROWS;
+    else return 0;
+}
+
+template <class L>
+void expert_rows(const Weights& w, int64_t t, bool pair, const Acts& a, int64_t r0, int64_t r1, int64_t K,
+                 float* out, int64_t N) {
+    int64_t r = r0;
+    if (pair) {
+        for (; r + 4 <= r1; r += 4) L::template pair<4>(w, t, a, r, K, out, N);
+        for (; r < r1; r++) L::template pair<1>(w, t, a, r, K, out, N);
+    } else {
+        for (; r + 4 <= r1; r += 4) L::template one<4>(w, t, a, r, K, out, N);
+        for (; r < r1; r++) L::template one<1>(w, t, a, r, K, out, N);
+    }
+}
+
+template <class L>
+void matmul_experts(const Weights* ws, const int64_t* off, int64_t E, const Acts& a, int64_t N, int64_t K,
+                    float* out) {
+    const int isa = kernel_isa();
+    const int64_t tiles = N / NR;
+    if (isa >= 3) {  // tile pairs (an odd last tile alone: the same bits)
+        const int64_t pairs = (tiles + 1) / 2;
+#pragma omp parallel for schedule(static)
+        for (int64_t item = 0; item < E * pairs * 2; item++) {
+            const int64_t e = item / (pairs * 2), within = item % (pairs * 2);
+            const bool paired_expert = off[e + 1] - off[e] >= pair_rows<L>();
+            if (paired_expert) {
+                if (within % 2) continue;  // one item a pair
+                const int64_t t = within;
+                expert_rows<L>(ws[e], t, t + 1 < tiles, a, off[e], off[e + 1], K, out, N);
+            } else if (within < tiles) {
+                expert_rows<L>(ws[e], within, false, a, off[e], off[e + 1], K, out, N);
+            }
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < E * tiles; item++) {
+        const int64_t e = item / tiles, t = item % tiles;
+        if (isa >= 2) {
+            expert_rows<L>(ws[e], t, false, a, off[e], off[e + 1], K, out, N);
+        } else {
+            for (int64_t n = t * NR; n < (t + 1) * NR; n++)
+                for (int64_t r = off[e]; r < off[e + 1]; r++) out[r * N + n] = L::scalar(ws[e], n, a, r, K);
+        }
+    }
+}
+
+void matmul_experts_any(const Weights* ws, const int64_t* off, int64_t E, const Acts& a, int64_t N, int64_t K,
+                        float* out) {
+    switch (ws[0].bits) {
+        case 8: return matmul_experts<Int8Tiles>(ws, off, E, a, N, K, out);
+        case 6: return matmul_experts<HighTiles<6>>(ws, off, E, a, N, K, out);
+        case 5: return matmul_experts<HighTiles<5>>(ws, off, E, a, N, K, out);
+        case 3: return matmul_experts<HighTiles<3>>(ws, off, E, a, N, K, out);
+        case 2: return matmul_experts<HighTiles<2>>(ws, off, E, a, N, K, out);
+        case IQ4: return matmul_experts<IQ4Tiles>(ws, off, E, a, N, K, out);
+        default: return matmul_experts<Int4Tiles>(ws, off, E, a, N, K, out);
+    }
+}
+
 // `paired`: the AVX2 int4 layout (whole pairs of blocks interleaved; an odd last block as is).
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn, int32_t* xh,
                    bool paired) {
@@ -1336,6 +1422,26 @@ void brisk_quant_matmul(const float* x, const uint8_t* wq, const uint16_t* wd, c
     const Weights w{wq, wd, wm, bits, tiled != 0, tiled && bits != 8 ? wsub : nullptr};
     const Acts a{xq, xd, xs, xn, xh};
     matmul(w, a, M, N, K, out);
+}
+
+int brisk_quant_matmul_experts(const float* x, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
+                               const uint8_t* wsub, int64_t q_stride, int64_t d_stride, int64_t m_stride,
+                               int64_t sub_stride, const int64_t* experts, const int64_t* offsets, int64_t E, int bits,
+                               int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn, float* out) {
+    if (N % NR || K % QK || E <= 0) return 1;
+    const int64_t rows = offsets[E];
+    int32_t* xh = xn + rows * (K / QK);
+    quantize_rows(x, rows, K, xq, xd, xs, xn, xh, false);
+    std::vector<Weights> ws(E);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t id = experts[e];
+        ws[e] = Weights{wq + id * q_stride, reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(wd) + id * d_stride),
+                        wm ? reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(wm) + id * m_stride) : nullptr,
+                        bits, true, bits != 8 && wsub ? wsub + id * sub_stride : nullptr};
+    }
+    const Acts a{xq, xd, xs, xn, xh};
+    matmul_experts_any(ws.data(), offsets, E, a, N, K, out);
+    return 0;
 }
 
 int brisk_kernels_isa() { return kernel_isa(); }

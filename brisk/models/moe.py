@@ -72,6 +72,16 @@ class ExpertLinear(nn.Module):
                                     None if self.mins is None else self.mins[expert], self.fmt.kernel_bits,
                                     None if self.subscales is None else self.subscales[expert])
 
+    def grouped(self, x: torch.Tensor, experts: list[int], offsets: list[int]) -> torch.Tensor:
+        """x [A, K], its rows grouped by expert (rows offsets[i] .. offsets[i + 1] - 1 through experts[i]) -> [A, N].
+        Tiled quantized experts in one compiled call (kernels.quant_matmul_experts), the others expert by expert."""
+        fmt = self.fmt
+        if fmt is not None and fmt.tiled and fmt.bits != 16 and x.device.type == "cpu":
+            x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+            return kernels.quant_matmul_experts(x, self.qweight, self.scales, self.mins, fmt.kernel_bits, self.subscales,
+                                                experts, offsets)
+        return torch.cat([self(x[offsets[i]:offsets[i + 1]], e) for i, e in enumerate(experts)])
+
     def _expert_linear(self, expert: int) -> Linear:
         """A float expert as the dense layers' Linear (a view of its weight, packed for oneDNN on first use): the
         same row-invariant matmul, so a row's output does not depend on how many rows chose the expert (torch's
@@ -112,6 +122,9 @@ class StackedExpertLinear(nn.Module):
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         return torch.cat([p(x, expert) for p in self.parts], dim=-1)
 
+    def grouped(self, x: torch.Tensor, experts: list[int], offsets: list[int]) -> torch.Tensor:
+        return torch.cat([p.grouped(x, experts, offsets) for p in self.parts], dim=-1)
+
     def dequantized(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([p.dequantized(expert, dtype) for p in self.parts])
 
@@ -124,23 +137,25 @@ class Experts(nn.Module):
         self.down_proj = ExpertLinear(num_experts, intermediate, hidden)
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; top_ids, top_weights [T, k] -> [T, H]: each row's weighted sum of its experts' SwiGLU,
-        the experts taken in id order, each once for all the rows that chose it."""
-        out = torch.zeros_like(x, dtype=torch.float32)
-        k = top_ids.shape[1]
+        """x [T, H]; top_ids, top_weights [T, k] -> [T, H]: each row's weighted sum of its experts' SwiGLU. The
+        (row, choice) pairs are grouped by expert, so each chosen expert's weights are read once for all the rows
+        that chose it; each row then sums its k outputs in its own choice order, the same alone or in a batch."""
+        rows, k = top_ids.shape
         flat = top_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (row, choice) pairs grouped by expert, rows ascending
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows_of, weights = order // k, top_weights.reshape(-1)[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = rows_of[start:start + count]
-            h = fused.silu_mul(self.gate_up_proj(x[rows], expert))
-            y = self.down_proj(h, expert)
-            out.index_add_(0, rows, y * weights[start:start + count, None].to(y.dtype))
-            start += count
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, rows ascending within one
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        experts = torch.nonzero(counts).flatten()
+        offsets = [0] + torch.cumsum(counts[experts], 0).tolist()
+        experts = experts.tolist()
+        grouped = x[order // k]  # [rows * k, H]
+        h = fused.silu_mul(self.gate_up_proj.grouped(grouped, experts, offsets))
+        y = self.down_proj.grouped(h, experts, offsets)  # [rows * k, H], grouped by expert
+        by_choice = torch.empty_like(y)
+        by_choice[order] = y
+        by_choice = by_choice.view(rows, k, -1) * top_weights.to(y.dtype)[:, :, None]
+        out = by_choice[:, 0].clone()
+        for j in range(1, k):  # one addition at a time: a row's sum has the same order in any batch
+            out += by_choice[:, j]
         return out
 
 
