@@ -18,7 +18,7 @@ import schemathesis
 from schemathesis import GenerationMode
 
 MAX_NEW = 4
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 VALID = {"guided_json": {"type": "object"}, "guided_regex": "[a-z]{1,3}", "guided_grammar": 'start: "ok"',
          "guided_choice": ["a", "b"]}
 VALID_SO = {"json": {"type": "object"}, "regex": "[a-z]{1,3}", "grammar": 'start: "ok"', "choice": ["a", "b"]}
@@ -50,8 +50,37 @@ def make_compilable(body: dict) -> None:
         tool["function"]["parameters"] = {"type": "object", "properties": {"x": {"type": "integer"}}}
 
 
+def responses_fit(body: dict, http: httpx.Client, window: int) -> bool:
+    """A Responses case: its constraint and tools made valid (as for chat), max_output_tokens bounded, and
+    whether the chat it is computed as (brisk's own conversion) fits the window."""
+    from brisk.server.responses_api import ResponsesRequest, chat_request
+
+    if isinstance(body.get("max_output_tokens"), (int, float)):
+        body["max_output_tokens"] = min(int(body["max_output_tokens"]), MAX_NEW)
+    else:
+        body["max_output_tokens"] = MAX_NEW
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        fmt["schema"] = {"type": "object"}
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    for i, tool in enumerate(tools or []):
+        tool["name"] = f"{tool['name'][:50]}_{i}"
+        tool["parameters"] = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    if isinstance(choice, dict) and tools:
+        choice["name"] = tools[0]["name"]
+    try:
+        chat, _ = chat_request(ResponsesRequest.model_validate(body), [])
+    except Exception:  # noqa: BLE001 - a request the server refuses with a 400 the document lists
+        return True
+    counted = http.post("/tokenize", json={"messages": [m.model_dump(exclude_none=True) for m in chat.messages],
+                                           "tools": [t.model_dump(exclude_none=True) for t in chat.tools or []] or None})
+    return counted.status_code != 200 or 1 <= counted.json()["count"] <= window - body["max_output_tokens"]
+
+
 def fits_window(path: str, body: dict, http: httpx.Client, window: int) -> bool:
     """Bound max_tokens, and whether the prompt and max_tokens fit the window."""
+    if path == "/v1/responses":
+        return responses_fit(body, http, window)
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), (int, float)):  # JSON Schema's integers include 3.0
             body[key] = min(int(body[key]), MAX_NEW)
@@ -76,7 +105,8 @@ def fits_window(path: str, body: dict, http: httpx.Client, window: int) -> bool:
 
 def fit_positive_case(path: str, body: dict, http: httpx.Client, window: int) -> bool:
     """Apply the rules above to a positive generation case; False if its prompt cannot fit the window."""
-    make_compilable(body)
+    if path != "/v1/responses":
+        make_compilable(body)
     return fits_window(path, body, http, window)
 
 

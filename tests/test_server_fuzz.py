@@ -69,7 +69,7 @@ CHECKS = SchemathesisConfig.from_dict({"checks": {"negative_data_rejection": {"e
     "400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]}}})
 
 def check_operation(operation, mode, base_url: str, http: httpx.Client) -> None:
-    generation = operation.path in ("/v1/chat/completions", "/v1/completions")
+    generation = operation.path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None,

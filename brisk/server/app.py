@@ -21,9 +21,10 @@ from brisk.server.logs import EngineStatsLogger
 from brisk.server.middleware import GuardMiddleware
 from brisk.server.openapi import install_openapi, request_body
 from brisk.server.prepare import (chat_chars, check_chars, check_model, check_rendered, decode_checked, encode_chat,
-                                  prepare_chat, prepare_completion)
+                                  prepare_chat, prepare_completion, prepare_responses, reasoning_kwargs)
 from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    message_dicts)
+from brisk.server.responses_api import ResponsesRequest
 from brisk.server.run import respond
 from brisk.server.state import ServerState
 from brisk.structured.tools import TOOLS_TEMPLATE_HINT
@@ -151,8 +152,9 @@ def _token_routes(app: FastAPI, state: ServerState) -> None:
             if tools and "tools" not in tok.template_variables:
                 raise APIError(400, f"tools: this model's chat template does not render tools; {TOOLS_TEMPLATE_HINT}",
                                param="tools", code="invalid_value")
+            kwargs = reasoning_kwargs(tok.template_variables, body.reasoning_effort, body.chat_template_kwargs)
             ids = await state.run_tokenizer(lambda: encode_chat(tok, messages, body.add_generation_prompt, tools,
-                                                                **(body.chat_template_kwargs or {})))
+                                                                **kwargs))
         else:
             check_chars(state, len(body.prompt), "prompt")
             ids = await state.run_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
@@ -184,6 +186,23 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.require_engine()
         body = await parse_body(state, raw, CompletionRequest)
         return await respond(state, engine, raw, body, await prepare_completion(state, body))
+
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
+    async def responses(raw: Request):
+        engine = state.require_engine()
+        body = await parse_body(state, raw, ResponsesRequest)
+        chat, prepared = await prepare_responses(state, body)
+        return await respond(state, engine, raw, chat, prepared)
+
+    @app.get("/v1/responses/{response_id}")
+    async def response(response_id: str):
+        """A stored response (store: true), as responses.create returned it."""
+        found = state.responses.get(response_id)
+        if found is None:
+            raise APIError(404, f"response {response_id!r} is not in brisk's store (it keeps the last "
+                                f"{state.responses.size} responses sent with store: true, in memory)",
+                           code="response_not_found")
+        return JSONResponse(found[0])
 
 
 def _version() -> str:

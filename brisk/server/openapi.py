@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextPolicy
 from brisk.server.middleware import PUBLIC_PATHS
+from brisk.server.responses_api import ResponsesRequest
 from brisk.structured.tools import renders_tool_calls
 from brisk.server.protocol import (CHOICES_MARK, MAX_CHOICES, MAX_TOKENS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK,
                                    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
@@ -30,13 +31,15 @@ _REASONS = {400: "Invalid request (the message names the field)", 401: "Missing 
             404: "Unknown model", 408: "The request body did not arrive in time (--body-timeout)",
             413: "Request body or prompt over the server's limits", 429: "Queue full; retry after Retry-After",
             503: "Model loading, engine stopped, or server draining", 504: "Ran past --request-timeout"}
-_BODY_ROUTES = {"/v1/models/{model_id}": (404,),
+_BODY_ROUTES = {"/v1/models/{model_id}": (404,), "/v1/responses/{response_id}": (404,),
+                "/v1/responses": (400, 404, 408, 413, 429, 503, 504),
                 "/tokenize": (400, 404, 408, 413, 503),
                 "/detokenize": (400, 404, 408, 413, 503),
                 "/v1/chat/completions": (400, 404, 408, 413, 429, 503, 504),
                 "/v1/completions": (400, 404, 408, 413, 429, 503, 504)}
-_STREAMING = ("/v1/chat/completions", "/v1/completions")
-_BODIES = {m.__name__: m for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)}
+_STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+_BODIES = {m.__name__: m for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
+                                   ResponsesRequest)}
 # One server-sent event: `data` is a JSON chunk, an error object, or the final "[DONE]".
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
               "required": ["data"]}
@@ -125,9 +128,22 @@ def _what_the_template_renders(schemas: dict[str, Any], tokenizer) -> None:
             schemas[name]["properties"]["tools"] = {"type": "null",
                                                     "description": "this model's chat template renders no tools"}
         schemas["ChatCompletionRequest"]["properties"]["tool_choice"] = {"enum": [None, "none"]}
+    if "tools" not in tokenizer.template_variables and "ResponsesRequest" in schemas:
+        schemas["ResponsesRequest"]["properties"]["tools"] = {"type": "null",
+                                                              "description": "this model's chat template renders no tools"}
+        schemas["ResponsesRequest"]["properties"]["tool_choice"] = {"enum": [None, "none"]}
     if not renders_tool_calls(tokenizer.chat_template_source):
         schemas["ChatMessage"]["properties"]["tool_calls"] = {
             "type": "null", "description": "this model's chat template renders no tool calls"}
+        if "ResponsesFunctionCall" in schemas:  # a Responses input's earlier calls
+            schemas["ResponsesFunctionCall"]["not"] = {}
+    variables = tokenizer.template_variables
+    if "reasoning_effort" not in variables and "enable_thinking" not in variables:
+        note = {"type": "null", "description": "this model's chat template reads no reasoning effort"}
+        for name in ("ChatCompletionRequest", "TokenizeRequest"):
+            schemas[name]["properties"]["reasoning_effort"] = note
+        if "ResponsesReasoningConfig" in schemas:
+            schemas["ResponsesReasoningConfig"]["properties"]["effort"] = note
 
 
 def _error_response(status: int) -> dict[str, Any]:

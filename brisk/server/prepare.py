@@ -14,6 +14,7 @@ from brisk.server.context_guard import ContextLengthError, GuardResult, guard_ch
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter
+from brisk.server.responses_api import ResponsesFormatter, ResponsesRequest, chat_request, response_id
 from brisk.server.state import ServerState
 from brisk.structured.compiler import CompiledGrammar
 from brisk.structured.spec import GrammarSpec, from_request as grammar_spec
@@ -43,7 +44,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
                                     state.config.tool_call_parser))
     spec = _spec(lambda: _one_constraint(grammar_spec(body), tool_grammar(tools) if tools else None))
     tool_defs = tools.tools if tools else None
-    template_kwargs = body.chat_template_kwargs or {}
+    template_kwargs = reasoning_kwargs(tok.template_variables, body.reasoning_effort, body.chat_template_kwargs)
     guard = await _guard(state, lambda: guard_chat(
         messages, lambda m: encode_chat(tok, m, tools=tool_defs, **template_kwargs), max_tokens,
         state.max_model_len, state.config.context_policy))
@@ -55,6 +56,18 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None,
                         state.config.reasoning_parser)
     return Prepared(fmt, [guard], params)
+
+
+async def prepare_responses(state: ServerState, body: ResponsesRequest) -> tuple[ChatCompletionRequest, Prepared]:
+    """A Responses request as the chat completion it is computed as (brisk.server.responses_api), with a
+    formatter that answers in Responses items and events."""
+    history = state.responses.history(body.previous_response_id) if body.previous_response_id else []
+    chat, conversation = chat_request(body, history)
+    prepared = await prepare_chat(state, chat)
+    chat_fmt = prepared.fmt
+    prepared.fmt = ResponsesFormatter(response_id(), state, body, chat_fmt.tools, chat_fmt.reasoning_parser,
+                                      conversation)
+    return chat, prepared
 
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
@@ -70,6 +83,24 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
     params = [_sampling_params(body, g.max_tokens, body.logprobs, grammar) for g in guards]
     fmt = CompletionFormatter(_new_id("cmpl"), state, body.logprobs is not None, body.echo)
     return Prepared(fmt, guards, params)
+
+
+def reasoning_kwargs(variables: set[str], effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's variables for a request's reasoning_effort (chat_template_kwargs win where both say):
+    a template that reads `reasoning_effort` gets it as sent (gpt-oss: low, medium, high in its system message);
+    one that reads `enable_thinking` (Qwen3, Qwen3-MoE, SmolLM3) thinks unless the effort is none or minimal;
+    a template that reads neither cannot honour it: a 400, never an effort silently dropped."""
+    kwargs = dict(kwargs or {})
+    if effort is None:
+        return kwargs
+    if "reasoning_effort" in variables:
+        return {"reasoning_effort": effort, **kwargs}
+    if "enable_thinking" in variables:
+        return {"enable_thinking": effort not in ("none", "minimal"), **kwargs}
+    raise APIError(400, f"reasoning_effort: this model's chat template reads neither reasoning_effort nor "
+                        f"enable_thinking, so {effort!r} would change nothing; remove it, or serve a reasoning "
+                        "model (Qwen3, gpt-oss) or a --chat-template that reads it", param="reasoning_effort",
+                   code="invalid_value")
 
 
 def chat_chars(messages: list[dict[str, Any]]) -> int:

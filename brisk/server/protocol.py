@@ -83,6 +83,9 @@ TokenIdKey = Annotated[str, AfterValidator(_token_id_key),
                        Field(json_schema_extra={"pattern": TOKEN_ID_KEY, TOKEN_ID_KEY_MARK: True})]
 
 
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class _Request(BaseModel):
     # a key brisk does not read is a 400 naming it: ignored, it could change what the client expects
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -96,7 +99,6 @@ UNSUPPORTED = {
     "audio": "audio output is not supported (brisk serves text-only models); remove it",
     "modalities": "only text output is supported; remove it",
     "prediction": "predicted outputs are not supported; remove it",
-    "reasoning_effort": "brisk serves no reasoning-effort control; remove it",
     "web_search_options": "web search is not supported; remove it",
     "functions": "the legacy functions API is not supported; send `tools` instead",
     "function_call": "the legacy functions API is not supported; send `tool_choice` instead",
@@ -383,6 +385,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # vLLM: extra variables for the chat template, e.g. Qwen3's {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI: how hard a reasoning model thinks; given to the chat template (brisk.server.prepare.reasoning_kwargs)
+    reasoning_effort: REASONING_EFFORTS | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -409,6 +413,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     # as in chat completions, so that the count is theirs: the template's variables and the tools it renders
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: REASONING_EFFORTS | None = None
     tools: list[Tool] | None = None
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
@@ -42,6 +43,7 @@ def _delta_logprobs(out: RequestOutput) -> list[dict[str, Any]]:
 class Formatter:
     object_full = ""
     object_chunk = ""
+    done_marker = True  # a stream ends with `data: [DONE]` (chat, completions; not the Responses API)
 
     def __init__(self, response_id: str, state, want_logprobs: bool):
         self.id = response_id
@@ -60,6 +62,20 @@ class Formatter:
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [], usage=usage)
+
+    def last_chunks(self, body, usage: dict[str, Any]) -> list[dict[str, Any]]:
+        """What a stream sends after every choice finished: the usage chunk, when asked for."""
+        include = body.stream_options is not None and body.stream_options.include_usage
+        return [self.usage_chunk(usage)] if include else []
+
+    @staticmethod
+    def encode(chunk: dict[str, Any]) -> str:
+        """One server-sent event."""
+        return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def error_events(self, error) -> list[str]:
+        """A stream under way that fails ends with the error (an OpenAI error object)."""
+        return [error.sse()]
 
     def observe(self, index: int, out: RequestOutput) -> None:
         """Every output of a choice, in order, when the reply is collected rather than streamed."""

@@ -7,7 +7,6 @@ every open stream). What happens once a run is over (metrics, trace, request log
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -184,23 +183,27 @@ class Run:
         return self.fmt.full_response(self.finals, self.jobs, self.guards, self.usage())
 
     async def sse(self) -> AsyncIterator[str]:
+        fmt = self.fmt
         try:
-            for chunk in self.fmt.first_chunks(self.jobs, self.guards):
-                yield _sse(chunk)
+            for chunk in fmt.first_chunks(self.jobs, self.guards):
+                yield fmt.encode(chunk)
             async for index, out in self.outputs():
-                chunks = self.fmt.chunks(index, out, self.body)
+                chunks = fmt.chunks(index, out, self.body)
                 for chunk in chunks:
-                    yield _sse(chunk)
+                    yield fmt.encode(chunk)
                 if chunks:  # resumed: the server wrote the chunk to the socket
                     self.record.written(out)
-            if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield _sse(self.fmt.usage_chunk(self.usage()))
-            yield "data: [DONE]\n\n"
+            for chunk in fmt.last_chunks(self.body, self.usage()):
+                yield fmt.encode(chunk)
+            if fmt.done_marker:
+                yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the stream must end with an error event, not hang
-            yield self._api_error(e).sse()
-            yield "data: [DONE]\n\n"
+            for event in fmt.error_events(self._api_error(e)):
+                yield event
+            if fmt.done_marker:
+                yield "data: [DONE]\n\n"
         finally:
             self.close()
 
@@ -254,6 +257,3 @@ def as_api_error(e: BaseException, request_id: str) -> tuple[APIError, str | Non
     return APIError(500, f"internal server error in request {request_id}; the server log has the details",
                     code="internal_error"), "error"
 
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"

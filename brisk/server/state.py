@@ -18,6 +18,7 @@ from brisk.server.context_guard import ContextPolicy
 from brisk.errors import BriskError
 from brisk.server.errors import APIError
 from brisk.server.protocol import MAX_CHOICES
+from brisk.server.responses_api import ResponseStore
 from brisk.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, set at startup
         self._tokenizer_slots: asyncio.Semaphore | None = None
         self.grammars: GrammarCompiler | None = None  # structured outputs, set with the engine
+        self.responses = ResponseStore()  # the Responses API's stored responses (store: true), in memory
         if engine is not None:
             self._set_ready(engine)
 
