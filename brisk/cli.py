@@ -111,7 +111,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     loaded = load(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype)
+                  quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype,
+                  pooling=args.pooling)
+    if loaded.pooling is not None:
+        raise BriskError(f"{args.model or 'the model'} is an embedding model ({loaded.pooling.describe()}): "
+                         "`brisk generate` needs a generative one (or --pooling none); embed with `brisk serve` and "
+                         "POST /v1/embeddings")
     built = build_engine(args, loaded)
     report.kv_cache_dtype = built.kv_dtype.name
     if args.verbose:

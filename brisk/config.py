@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brisk.errors import ModelLoadError
-from brisk.families import BY_MODEL_TYPE, FAMILIES, UNSUPPORTED, Family, nope_flags
+from brisk.families import BY_MODEL_TYPE, FAMILIES, UNSUPPORTED, Family, family_of_architecture, nope_flags
 from brisk.kv_dtype import ALIASES as KV_ALIASES, CHOICES as KV_CHOICES, KVDtype
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -222,7 +222,8 @@ class ModelConfig:
 def _family(d: dict[str, Any], source: str) -> Family:
     """The family record of a config.json, or one clear error naming what it is and what brisk runs."""
     archs = d.get("architectures") or []
-    found = next((FAMILIES[a] for a in archs if a in FAMILIES), None) if archs else BY_MODEL_TYPE.get(d.get("model_type"))
+    found = next((f for f in map(family_of_architecture, archs) if f), None) if archs else \
+        BY_MODEL_TYPE.get(d.get("model_type"))
     if found is not None:
         return found
     named = next((a for a in archs if a in UNSUPPORTED), None)

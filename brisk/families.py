@@ -208,6 +208,16 @@ UNSUPPORTED = {
 }
 
 
+def family_of_architecture(name: str) -> Family | None:
+    """A config.json architecture's family: `XForCausalLM`, or its base model `XModel` (embedding checkpoints such as
+    Qwen3-Embedding save the base model: no LM head)."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if name.endswith("Model"):
+        return FAMILIES.get(name.removesuffix("Model") + "ForCausalLM")
+    return None
+
+
 def gguf_family(arch: str | None, expert_count: int) -> Family | None:
     """The family of a GGUF by its general.architecture (and whether it has experts: Mixtral's GGUFs say
     "llama"), or None."""

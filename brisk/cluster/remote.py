@@ -102,6 +102,13 @@ class RemoteEngine:
         return self.info["vocab_size"]
 
     @property
+    def pooling(self):
+        from brisk.loading.pooling import Pooling
+
+        found = self.info.get("pooling")
+        return Pooling(**found) if found else None
+
+    @property
     def max_model_len(self) -> int:
         return self.info["max_model_len"]
 

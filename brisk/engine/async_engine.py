@@ -63,6 +63,10 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def pooling(self):
+        return self.engine.loaded.pooling
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.loaded.config.vocab_size
 

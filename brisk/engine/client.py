@@ -43,6 +43,9 @@ class EngineClient(Protocol):
     @property
     def model_info(self) -> ModelInfo: ...
 
+    @property
+    def pooling(self) -> Any: ...  # brisk.loading.pooling.Pooling of an embedding model, or None (generative)
+
     async def add(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                   priority: int = 0, cache_salt: str | None = None,
                   sink: tuple[asyncio.Queue, Any] | None = None) -> Any:

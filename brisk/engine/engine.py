@@ -153,6 +153,10 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.pooling is not None:  # an embedding: the prompt alone, nothing generated
+            if len(ids) > max_len:
+                raise RequestError("prompt", f"{len(ids)} tokens exceed max_model_len {max_len}")
+            return
         if len(ids) + params.max_tokens > max_len:
             raise RequestError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
@@ -191,9 +195,20 @@ class LLMEngine:
                 self.num_prompt_tokens += min(chunk.num_tokens, prompt_left)
         self.scheduler.advance(out)
         self.num_steps += 1
+        embedded = [self._embedded(c.request) for c in out.chunks
+                    if c.request.embedding is not None and not c.request.status.finished]
         if rows is None:
-            return failed
-        return failed + self._sample_and_append(rows)
+            return failed + embedded
+        return failed + embedded + self._sample_and_append(rows)
+
+    def _embedded(self, request: Request) -> RequestOutput:
+        """An embedding request whose prompt is computed: it ends with its pooled vector (its "first token")."""
+        request.times.first_token_ts = time.monotonic()
+        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        self._forget(request.request_id)
+        out = self._output(request, "", [])
+        out.embedding = request.embedding
+        return out
 
     def _propose(self, failed: list[RequestOutput]) -> None:
         """Drafts for the running requests (before scheduling: a request that fails here holds no block of

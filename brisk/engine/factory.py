@@ -18,6 +18,7 @@ from brisk.errors import BriskError
 from brisk.kv_dtype import CHOICES as KV_CHOICES, parse_name as kv_dtype_name, resolve as resolve_kv_dtype
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+POOLING_CHOICES = ("auto", "none", "last", "mean", "cls")  # brisk.loading.pooling.CHOICES (torch-free here)
 
 
 def add_model_args(p) -> None:
@@ -35,6 +36,10 @@ def add_model_args(p) -> None:
                         "of 32 at load), bf16 or f16 (weights stored in 16 bits, float32 activations)")
     p.add_argument("--max-model-len", type=argtypes.positive, default=None,
                    help="context window (default: the model's)")
+    p.add_argument("--pooling", default="auto", choices=POOLING_CHOICES,
+                   help="serve an embedding model (/v1/embeddings): auto (from the model's files: sentence-transformers' "
+                        "modules.json, a GGUF's pooling type), none (generation, whatever the files say), or last, "
+                        "mean, cls (this pooling, L2-normalised, for any model)")
     p.add_argument("--verbose", "-v", action="store_true", help="print the load report; tracebacks on errors")
 
 
@@ -193,7 +198,8 @@ def _load_async_engine(args: argparse.Namespace, max_model_len: int, chat_templa
         from brisk.engine.async_engine import AsyncLLMEngine
         from brisk.loading.loader import load
     loaded = load(source or args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
-                  quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype)
+                  quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype,
+                  pooling=args.pooling)
     if chat_template is not None:
         loaded.tokenizer.set_chat_template(chat_template)
     with report.phase("engine"):

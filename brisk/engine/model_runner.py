@@ -58,7 +58,7 @@ class ModelRunner:
     def _prepare(self, chunks: list[ScheduledChunk]):
         # decodes (with their drafts) first, order kept otherwise
         chunks = sorted(chunks, key=lambda c: c.num_tokens - c.num_draft > 1)
-        seqs, sample_requests, drafts, sampled = [], [], [], []
+        seqs, sample_requests, drafts, sampled, pooling = [], [], [], [], []
         for chunk in chunks:
             req = chunk.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
@@ -69,6 +69,9 @@ class ModelRunner:
             seqs.append(SeqSlice(sequence_tokens(req, start, end - chunk.num_draft) + draft, start, chunk.block_ids,
                                  as_decode_rows=self.batch_invariant or chunk.num_tokens - chunk.num_draft == 1,
                                  key=req.request_id))
+            if req.params.pooling is not None:  # an embedding request: its rows are pooled, nothing samples
+                pooling.append((len(seqs) - 1, req, start, end))
+                continue
             if end - chunk.num_draft == req.num_tokens:  # the last known token: its logits give the next one
                 # (and with a draft, each drafted position's logits verify the next draft token)
                 sampled.append((len(seqs) - 1, 1 + chunk.num_draft))
@@ -77,19 +80,22 @@ class ModelRunner:
         batch = build_batch(seqs, self.block_size, self.device, self.loaded.config.layer_windows,
                             self.decode_tables)
         sample_rows = [row for i, n in sampled for row in range(batch.ends[i] - n, batch.ends[i])]
-        return batch.input_ids, batch.positions, batch.meta, sample_rows, sample_requests, drafts
+        pool_rows = [_pool_rows(req, batch.ends[i] - (end - start), batch.ends[i], start, end) for i, req, start, end in pooling]
+        return batch.input_ids, batch.positions, batch.meta, sample_rows, sample_requests, drafts, pool_rows
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> "SampleRows | None":
         """One forward over all chunks; the hidden states of the rows that sample (None: none does).
         `sample` then turns them into tokens (with drafted tokens: the tokens each request emits after
         verification)."""
-        input_ids, positions, meta, sample_rows, sample_requests, drafts = self._prepare(chunks)
+        input_ids, positions, meta, sample_rows, sample_requests, drafts, pool_rows = self._prepare(chunks)
         attention = self.attention(self.kv, meta, self.scale, self.softcap)
         stack = None  # a step of decode rows only: the whole decoder stack in one compiled call
         if self.decode_stack is not None and not meta.prefills and meta.num_decodes:
             stack = functools.partial(self.decode_stack, meta=meta)
         hidden = self.model(input_ids, positions, attention, stack)
+        for request, rows, final in pool_rows:
+            pool(request, hidden[rows], final)
         if not sample_requests:
             return None
         return SampleRows(hidden[sample_rows], sample_requests, drafts)
@@ -127,6 +133,35 @@ class SampleRows:
     hidden: torch.Tensor  # [rows, hidden_size]
     requests: list[Request]
     drafts: list[list[int]]
+
+
+def _pool_rows(req: Request, row0: int, row1: int, start: int, end: int) -> tuple[Request, list[int], bool]:
+    """An embedding request's rows of this step that its pooling reads (row0..row1-1 hold its positions
+    start..end-1), and whether its prompt is done after them."""
+    final = end == req.num_tokens
+    if req.params.pooling == "last":
+        rows = [row1 - 1] if final else []
+    elif req.params.pooling == "cls":
+        rows = [row0] if start == 0 else []
+    else:
+        rows = list(range(row0, row1))
+    return req, rows, final
+
+
+def pool(request: Request, hidden: torch.Tensor, final: bool) -> None:
+    """Fold a step's rows [n, hidden] into the request's pooled state; once its prompt is done, its embedding
+    (float32, on the host). A request computed again from its start (preempted) starts its sum again."""
+    if request.params.pooling == "mean":
+        total = hidden.float().sum(0)
+        fresh = request.pooled is None or request.num_computed_tokens == 0
+        request.pooled = total if fresh else request.pooled + total
+        if final:
+            request.embedding = (request.pooled / request.num_prompt_tokens).tolist()
+        return
+    if hidden.shape[0]:
+        request.pooled = hidden[0].float()
+    if final:
+        request.embedding = request.pooled.tolist()
 
 
 def sequence_tokens(req: Request, start: int, end: int) -> list[int]:

@@ -34,6 +34,8 @@ class RequestOutput:
     # finish_reason "error": (reason, message) of the failure that ended this request alone (reason:
     # internal_error, grammar_rejected); its consumer raises RequestFailedError for it
     error: tuple[str, str] | None = None
+    # an embedding request's pooled final hidden state (SamplingParams.pooling), on its final output
+    embedding: list[float] | None = None
 
 
 def stop_window(stops: list[str]) -> int:

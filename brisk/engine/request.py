@@ -79,6 +79,10 @@ class Request:
     # sequence until accepted) and the request's drafting state (spec_decode.policy.SpecState).
     spec_token_ids: list[int] = field(default_factory=list)
     spec: Any = None
+    # An embedding request (params.pooling): its pooled hidden state so far (the model runner's tensor: a running
+    # sum for "mean", the first row for "cls"), and the final vector once its prompt is computed.
+    pooled: Any = None
+    embedding: list[float] | None = None
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +113,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def reads_every_position(self) -> bool:
+        """An embedding request that pools over its positions (mean, cls) needs each one's hidden state: prefix-cache
+        hits would skip computing them."""
+        return self.params.pooling in ("mean", "cls")
 
     @property
     def finish_reason(self) -> str | None:

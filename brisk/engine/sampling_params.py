@@ -10,6 +10,7 @@ from brisk.errors import ParamError
 
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta")
+POOLINGS = (None, "last", "mean", "cls")
 # Below this temperature, sampling is greedy: dividing logits by ~0 overflows to inf/NaN.
 GREEDY_TEMPERATURE = 1e-5
 # torch's generators take seeds in [0, 2**64): every seed is reduced modulo 2**64 once, here, and
@@ -53,6 +54,9 @@ class SamplingParams:
     # Whether this request may be sped up by speculative decoding when the server runs it (the
     # output distribution is the same either way; false opts one request out).
     speculative: bool = True
+    # An embedding request (prefill only): the prompt's final hidden states pooled ("last": the last token's,
+    # "mean": their mean, "cls": the first token's) come back as RequestOutput.embedding; nothing is generated.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +82,7 @@ class SamplingParams:
              "must map token ids to biases in [-100, 100]"),
             ("output_kind", self.output_kind in OUTPUT_KINDS, f"must be one of {', '.join(OUTPUT_KINDS)}"),
             ("speculative", isinstance(self.speculative, bool), "must be true or false"),
+            ("pooling", self.pooling in POOLINGS, f"must be one of {', '.join(map(str, POOLINGS))}"),
         ]
         for name, ok, message in checks:
             if not ok:

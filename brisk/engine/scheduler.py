@@ -19,7 +19,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from brisk.engine.kv_cache.manager import KVCacheManager
+from brisk.engine.kv_cache.manager import KVCacheManager, PrefixHit
 from brisk.engine.request import Request, RequestStatus
 
 
@@ -149,7 +149,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.kv.find_cached_prefix(request)
+            prefix = self.kv.find_cached_prefix(request) if not request.reads_every_position else PrefixHit([], 0)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             if self.kv.allocate_slots(request, num_new, prefix) is None:
                 break  # memory is full; FCFS: nobody overtakes the head of the queue

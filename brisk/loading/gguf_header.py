@@ -21,6 +21,7 @@ import numpy as np
 
 from brisk.errors import ModelLoadError
 from brisk.families import UNSUPPORTED, expert_keys, gguf_architectures, gguf_family
+from brisk.loading.pooling import CONFIG_KEY as POOLING_KEY, from_gguf
 
 # GGUF value types: (struct format, size) for the fixed-size ones
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -210,6 +211,9 @@ def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, 
         config["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
     if family.gguf_keys is not None:
         config.update(family.gguf_keys(key, config))
+    embedding = from_gguf(arch, meta, source)
+    if embedding is not None:
+        config[POOLING_KEY] = embedding
     if family.experts is not None:
         config.update(expert_keys(family, key, config))
         if not config["intermediate_size"]:

@@ -20,6 +20,7 @@ from brisk.kernels.paths import compute_paths
 from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
 from brisk.loading import gguf_convert, memory_plan, safetensors_io
 from brisk.cache_dir import cache_dir
+from brisk.loading.pooling import Pooling, pooling_of
 from brisk.loading.report import LoadReport
 from brisk.models import moe, quant
 from brisk.models.linear import Linear
@@ -45,6 +46,8 @@ class LoadedModel:
     name: str
     # Memory maps backing the zero-copy weights; they must outlive the model.
     mapped_files: list[Any] = field(default_factory=list, repr=False)
+    # an embedding model's pooling (brisk.loading.pooling): it serves /v1/embeddings, not generation
+    pooling: Pooling | None = None
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -119,14 +122,17 @@ def _fuse(tensors: dict[str, torch.Tensor], fused: str, parts: list[str]) -> Non
     tensors[fused] = torch.cat([tensors.pop(p) for p in parts], dim=0)
 
 
-def model_state(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors renamed and fused into this model's parameter names."""
+def model_state(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, head: bool = True) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors renamed and fused into this model's parameter names (`head` False: an embedding model's,
+    which has no LM head; a base-model checkpoint's names, without `model.`, as the model's)."""
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         tensors.update(shard)
     for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
         del tensors[name]
-    if cfg.tie_word_embeddings:
+    if "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:  # Qwen3Model (embeddings)
+        tensors = {f"model.{n}": t for n, t in tensors.items()}
+    if cfg.tie_word_embeddings or not head:
         tensors.pop("lm_head.weight", None)
     for i in range(cfg.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -309,7 +315,7 @@ def _warmup(model: DecoderForCausalLM, cfg: ModelConfig, device, dtype,
 
 def load(model: "str | ModelSource | None" = None, *, device: str | None = None, dtype: str | None = None,
          max_model_len: int | None = None, warmup: bool = True, quantization: str = "auto",
-         report: LoadReport | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
+         report: LoadReport | None = None, kv_cache_dtype: str = "auto", pooling: str = "auto") -> LoadedModel:
     """`quantization`: auto (a GGUF keeps its quantized types; a float checkpoint stays float, and
     on CPU a bfloat16/float16 one keeps its 16-bit weights: `_auto_weights`), none (everything
     float), int8 or int4 (every weight matrix quantized in blocks of 32), bf16 or f16 (weights
@@ -352,7 +358,12 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
         report.format = "safetensors"
 
     with report.phase("config"):
-        cfg = ModelConfig.from_hf_dict(_read_json(model_dir / "config.json"), str(model_dir / "config.json"))
+        raw_config = _read_json(model_dir / "config.json")
+        cfg = ModelConfig.from_hf_dict(raw_config, str(model_dir / "config.json"))
+        embedding = pooling_of(model_dir, raw_config, pooling)
+        if embedding is not None:  # no LM head: the final hidden states are the output
+            cfg = cfg.replace(tie_word_embeddings=False)
+            report.pooling = embedding.describe()
         report.parameters_total, report.parameters_active = cfg.parameter_counts()
         if cfg.moe is not None:
             report.experts = (f"{cfg.moe.experts_per_token} of {cfg.moe.num_experts} experts a token in "
@@ -365,7 +376,9 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
     with report.phase("module_build"):
         with torch.device("meta"):
             net = DecoderForCausalLM(cfg)
-        tensors = model_state(shards, cfg)
+            if embedding is not None:
+                net.lm_head = torch.nn.Identity()
+        tensors = model_state(shards, cfg, head=embedding is None)
         if quantization in quant.QUANTIZERS and not any(_is_quantized(n) for n in tensors):
             _quantize_at_load(tensors, quantization, maps)
         if dev.type != "cpu":  # NOTE: the quantized kernels are CPU kernels; elsewhere weights run in float
@@ -395,4 +408,4 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
     if warmup:
         with report.phase("first_forward"):
             _warmup(net, cfg, dev, torch_dtype, maps)
-    return LoadedModel(net, tokenizer, cfg, model_dir, dev, torch_dtype, max_len, report, source.name, maps)
+    return LoadedModel(net, tokenizer, cfg, model_dir, dev, torch_dtype, max_len, report, source.name, maps, embedding)

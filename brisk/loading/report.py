@@ -24,6 +24,7 @@ class LoadReport:
     parameters_total: int = 0  # weight parameters (ModelConfig.parameter_counts)
     parameters_active: int = 0  # of which one token reads (a mixture of experts: its k routed experts)
     experts: str = ""  # "8 of 128 experts a token in 48 layers" for a mixture of experts
+    pooling: str = ""  # an embedding model's pooling ("last pooling, L2-normalised (from modules.json)")
     current_phase: str | None = None  # the phase running now (read by the server's /ready)
 
     @contextmanager
@@ -49,7 +50,7 @@ class LoadReport:
             "conversion_cache": self.conversion_cache, "weight_bytes": self.weight_bytes,
             "device": self.device, "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
             "weight_formats": self.weight_formats, "parameters_total": self.parameters_total,
-            "parameters_active": self.parameters_active, "experts": self.experts,
+            "parameters_active": self.parameters_active, "experts": self.experts, "pooling": self.pooling,
             "phases_ms": {k: round(v, 2) for k, v in self.phases_ms.items()},
             "total_ms": round(self.total_ms, 2),
         }
@@ -67,6 +68,8 @@ class LoadReport:
                + (f", conversion cache {self.conversion_cache}" if self.conversion_cache else "") + ")"]
         if self.parameters_total:
             out.append("  " + self.summary())
+        if self.pooling:
+            out.append(f"  embedding model: {self.pooling}")
         if self.weight_formats:
             out.append("  weight formats: " + ", ".join(f"{k} {v}" for k, v in self.weight_formats.items()))
         out += [f"  {name:<20} {ms:9.1f} ms" for name, ms in self.phases_ms.items()]

@@ -21,9 +21,11 @@ from brisk.server.logs import EngineStatsLogger
 from brisk.server.middleware import GuardMiddleware
 from brisk.server.openapi import install_openapi, request_body
 from brisk.server.prepare import (chat_chars, check_chars, check_model, check_rendered, decode_checked, encode_chat,
-                                  prepare_chat, prepare_completion, prepare_responses, reasoning_kwargs)
+                                  prepare_chat, prepare_completion, prepare_embeddings, prepare_responses,
+                                  reasoning_kwargs)
 from brisk.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    message_dicts)
+from brisk.server.embeddings import EmbeddingRequest
 from brisk.server.responses_api import ResponsesRequest
 from brisk.server.run import respond
 from brisk.server.state import ServerState
@@ -193,6 +195,12 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
         body = await parse_body(state, raw, ResponsesRequest)
         chat, prepared = await prepare_responses(state, body)
         return await respond(state, engine, raw, chat, prepared)
+
+    @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
+    async def embeddings(raw: Request):
+        engine = state.require_engine()
+        body = await parse_body(state, raw, EmbeddingRequest)
+        return await respond(state, engine, raw, body, await prepare_embeddings(state, body))
 
     @app.get("/v1/responses/{response_id}")
     async def response(response_id: str):

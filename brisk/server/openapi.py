@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from brisk.metrics.prometheus import CONTENT_TYPE
 from brisk.server.context_guard import ContextPolicy
 from brisk.server.middleware import PUBLIC_PATHS
+from brisk.server.embeddings import EmbeddingRequest
 from brisk.server.responses_api import ResponsesRequest
 from brisk.structured.tools import renders_tool_calls
 from brisk.server.protocol import (CHOICES_MARK, MAX_CHOICES, MAX_TOKENS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK,
@@ -33,13 +34,14 @@ _REASONS = {400: "Invalid request (the message names the field)", 401: "Missing 
             503: "Model loading, engine stopped, or server draining", 504: "Ran past --request-timeout"}
 _BODY_ROUTES = {"/v1/models/{model_id}": (404,), "/v1/responses/{response_id}": (404,),
                 "/v1/responses": (400, 404, 408, 413, 429, 503, 504),
+                "/v1/embeddings": (400, 404, 408, 413, 429, 503, 504),
                 "/tokenize": (400, 404, 408, 413, 503),
                 "/detokenize": (400, 404, 408, 413, 503),
                 "/v1/chat/completions": (400, 404, 408, 413, 429, 503, 504),
                 "/v1/completions": (400, 404, 408, 413, 429, 503, 504)}
 _STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _BODIES = {m.__name__: m for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
-                                   ResponsesRequest)}
+                                   ResponsesRequest, EmbeddingRequest)}
 # One server-sent event: `data` is a JSON chunk, an error object, or the final "[DONE]".
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
               "required": ["data"]}
@@ -105,6 +107,7 @@ def build(app: FastAPI, state) -> dict[str, Any]:
     if state.engine is not None:
         _what_the_template_renders(schemas, state.tokenizer)
         _prompts_times_choices(schemas["CompletionRequest"], state.capacity)
+        _what_the_model_serves(schemas, state.engine.pooling)
     return doc
 
 
@@ -118,6 +121,18 @@ def _prompts_times_choices(schema: dict[str, Any], capacity: int) -> None:
     schema.setdefault("allOf", []).append({"anyOf": [
         {"properties": {"n": {"maximum": 1}, "prompt": listing(capacity)}},
         {"properties": {"prompt": listing(capacity // min(MAX_CHOICES, capacity))}}]})
+
+
+def _what_the_model_serves(schemas: dict[str, Any], pooling) -> None:
+    """A generative model takes no embedding request, an embedding model no generation request (a 400 either way):
+    the document says so."""
+    refused = ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest") if pooling is not None \
+        else ("EmbeddingRequest",)
+    for name in refused:
+        if name in schemas:
+            schemas[name]["not"] = {}
+            schemas[name]["description"] = ("this server's model is an embedding model: it serves /v1/embeddings"
+                                            if pooling is not None else "this server's model is generative")
 
 
 def _what_the_template_renders(schemas: dict[str, Any], tokenizer) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from brisk.engine.sampling_params import SamplingParams
 from brisk.errors import ParamError
 from brisk.server.context_guard import ContextLengthError, GuardResult, guard_chat, guard_prompt
+from brisk.server.embeddings import EmbeddingFormatter, EmbeddingRequest, embedding_params, truncated
 from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter
@@ -32,8 +33,43 @@ class Prepared:
     params: SamplingParams | list[SamplingParams]
 
 
+GENERATION_ROUTES = "/v1/chat/completions, /v1/completions and /v1/responses"
+
+
+def check_generative(state: ServerState) -> None:
+    """An embedding model answers /v1/embeddings only."""
+    pooling = state.engine.pooling if state.engine is not None else None
+    if pooling is not None:
+        raise APIError(400, f"this model is an embedding model ({pooling.describe()}): it serves /v1/embeddings, not "
+                            f"{GENERATION_ROUTES}; serve a generative model for those (or --pooling none to generate "
+                            "with it)", code="wrong_model_type")
+
+
+def check_embedding(state: ServerState):
+    """A generative model answers the generation routes only; returns the embedding model's pooling."""
+    pooling = state.engine.pooling if state.engine is not None else None
+    if pooling is None:
+        raise APIError(400, f"this model is generative: it serves {GENERATION_ROUTES}, not /v1/embeddings; serve an "
+                            "embedding model (sentence-transformers files, a GGUF with a pooling type) or pass "
+                            "--pooling last|mean|cls", code="wrong_model_type")
+    return pooling
+
+
+async def prepare_embeddings(state: ServerState, body: EmbeddingRequest) -> Prepared:
+    check_model(state, body.model)
+    pooling = check_embedding(state)
+    inputs = body.inputs()
+    state.check_prompt_list(len(inputs), 1)
+    state.check_capacity(len(inputs))
+    ids = await _prompt_ids(state, body.input)  # the tokenizer's special tokens too, as sentence-transformers adds them
+    guards = [truncated(i, body.truncate_prompt_tokens, state.max_model_len, n, len(ids)) for n, i in enumerate(ids)]
+    fmt = EmbeddingFormatter(_new_id("embd"), state, body, pooling.normalize)
+    return Prepared(fmt, guards, [embedding_params(pooling.mode) for _ in guards])
+
+
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     check_model(state, body.model)
+    check_generative(state)
     state.check_capacity(body.n)
     messages = message_dicts(body.messages)
     check_chars(state, chat_chars(messages), "messages")
@@ -61,6 +97,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
 async def prepare_responses(state: ServerState, body: ResponsesRequest) -> tuple[ChatCompletionRequest, Prepared]:
     """A Responses request as the chat completion it is computed as (brisk.server.responses_api), with a
     formatter that answers in Responses items and events."""
+    check_generative(state)
     history = state.responses.history(body.previous_response_id) if body.previous_response_id else []
     chat, conversation = chat_request(body, history)
     prepared = await prepare_chat(state, chat)
@@ -72,6 +109,7 @@ async def prepare_responses(state: ServerState, body: ResponsesRequest) -> tuple
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     check_model(state, body.model)
+    check_generative(state)
     num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
     state.check_prompt_list(num_prompts, body.n)
     state.check_capacity(num_prompts * body.n)
