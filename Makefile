@@ -32,12 +32,18 @@ $(KERNELS): $(wildcard brisk/kernels/*.cpp brisk/kernels/*.h) $(STAMP)
 $(LLAMACPP): scripts/fetch_llamacpp.py $(STAMP)
 	$(PY) scripts/fetch_llamacpp.py $(VENV)/llama.cpp
 
-setup: $(STAMP) $(KERNELS)
+# Debian's chromium for the web page's browser test (scripts/install_chromium.sh)
+CHROMIUM := /usr/bin/chromium
+
+$(CHROMIUM):
+	scripts/install_chromium.sh
+
+setup: $(STAMP) $(KERNELS) $(LLAMACPP) $(CHROMIUM)
 
 serve: setup
 	$(VENV)/bin/brisk serve --host $(HOST) --port $(PORT)
 
-test: setup $(LLAMACPP)
+test: setup
 	$(PY) -m pytest -q -rs --durations=25
 
 clean:

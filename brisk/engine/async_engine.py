@@ -121,6 +121,10 @@ class AsyncLLMEngine:
         """A consistent snapshot, taken on the engine thread between steps."""
         return await self._call("stats", None, None)
 
+    async def block_map(self) -> dict:
+        """The KV pool's picture (LLMEngine.block_map), taken on the engine thread between steps."""
+        return await self._call("block_map", None, None)
+
     async def stats_by_replica(self) -> None:
         return None  # one engine, in this process
 
@@ -162,6 +166,8 @@ class AsyncLLMEngine:
                     self._fail(request_id, payload)
             elif kind == "stats":
                 _reply(reply, self.engine.stats(), None)
+            elif kind == "block_map":
+                _reply(reply, self.engine.block_map(), None)
             elif kind == "add":
                 try:
                     rid = self.engine.add_request(*payload)

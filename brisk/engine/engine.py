@@ -393,6 +393,23 @@ class LLMEngine:
                                      "first_token": t.first_token_ts, "finished": t.finished_ts}
         return metrics
 
+    def block_map(self) -> dict:
+        """The KV block pool as the web page draws it (GET /v1/brisk/engine): each block's state (the index of the
+        request holding it, -1 free, -2 free but holding a cached prefix), the shared ones, and the requests."""
+        owners, shared, cached = self.kv.block_owners()
+        ids = list(dict.fromkeys(o for o in owners if o is not None))
+        index = {rid: i for i, rid in enumerate(ids)}
+        requests = []
+        for rid in ids:
+            request = self.scheduler.requests.get(rid)
+            requests.append({"id": rid, "status": request.status.value if request else "finished",
+                             "tokens": request.num_tokens if request else 0,
+                             "computed": request.num_computed_tokens if request else 0,
+                             "cached_prompt_tokens": request.num_cached_prompt_tokens if request else 0})
+        state = [index[o] if o is not None else (-2 if c else -1) for o, c in zip(owners, cached)]
+        return {"block_size": self.kv.block_size, "blocks": state, "shared": [i for i, s in enumerate(shared) if s],
+                "requests": requests}
+
     def stats(self) -> EngineStats:
         usage = self.kv.usage()
         return EngineStats(

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from brisk.engine.errors import EngineDeadError
 from brisk.loop_lag import LoopLagMonitor
@@ -78,6 +79,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_openapi(app, state)
     app.add_middleware(GuardMiddleware, state=state)
     _status_routes(app, state)
+    _engine_routes(app, state)
     _model_routes(app, state)
     _token_routes(app, state)
     _completion_routes(app, state)
@@ -117,6 +119,25 @@ def _status_routes(app: FastAPI, state: ServerState) -> None:
             except EngineDeadError:
                 stats = None
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+def _engine_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/brisk/engine")
+    async def engine_view():
+        """What the engine is doing now: its stats and a picture of the KV block pool (brisk.server.webui reads it)."""
+        engine = state.require_engine()
+        stats = await engine.stats()
+        picture = await engine.block_map() if hasattr(engine, "block_map") else {}
+        return JSONResponse({"stats": stats.to_dict(), **picture})
+
+    if state.config.webui:
+        @app.get("/", include_in_schema=False)
+        async def webui():
+            """The built-in page: a chat that streams, and the engine at work (brisk/server/webui/index.html)."""
+            return HTMLResponse(_WEBUI_PAGE.read_text(encoding="utf-8"))
+
+
+_WEBUI_PAGE = Path(__file__).resolve().parent / "webui" / "index.html"
 
 
 def _model_routes(app: FastAPI, state: ServerState) -> None:

@@ -4,6 +4,8 @@ Each range is checked as it is parsed (brisk.argtypes): one line naming the flag
 
 from __future__ import annotations
 
+import argparse
+
 from brisk import argtypes
 from brisk.engine.factory import add_engine_args, add_model_args
 
@@ -46,6 +48,9 @@ def _http_arguments(http) -> None:
     http.add_argument("--shutdown-timeout", type=argtypes.number(minimum=0), default=30.0,
                       help="seconds in-flight requests get to finish after SIGTERM (default 30)")
     http.add_argument("--seed", type=argtypes.integer(0, 2**64 - 1), default=None, help="seed of the sampler for unseeded requests")
+    http.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
+                      help="GET / serves a page to chat with the model and watch the engine (KV blocks, queue, "
+                           "timings); --no-webui turns it off (default on; behind the API key when one is set)")
     http.add_argument("--allow-priority", action="store_true",
                       help="honour the request field `priority` (lower first); off by default, since any "
                            "client could then jump the queue")

@@ -14,8 +14,8 @@ from starlette.exceptions import HTTPException
 from brisk.server.errors import error_body
 from brisk.server.logs import access_line, access_log
 
-_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-           "/ready", "/metrics"}
+_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/tokenize",
+           "/detokenize", "/health", "/ready", "/metrics", "/", "/v1/brisk/engine"}
 PUBLIC_PATHS = frozenset({"/health", "/ready"})  # probes: a load balancer has no key
 
 
@@ -67,6 +67,8 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self._needs_key(path):
             auth = headers.get(b"authorization", b"")
+            if path == "/" and not auth:  # a browser opening the page sends no header: /?key=KEY
+                auth = b"Bearer " + _query_key(scope)
             if not key_matches(auth, self.state.config.api_key):
                 message = ("missing API key: send the header `Authorization: Bearer <key>`" if not auth
                            else "incorrect API key provided")
@@ -103,6 +105,14 @@ class GuardMiddleware:
             return message
 
         return limited_receive
+
+
+def _query_key(scope) -> bytes:
+    """The `key` parameter of the query string (the page's way to carry the API key)."""
+    from urllib.parse import parse_qs
+
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key")
+    return values[0].encode("utf-8") if values else b""
 
 
 def _too_large(size: int, limit: int) -> str:

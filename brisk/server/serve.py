@@ -76,6 +76,7 @@ def server_config(args: argparse.Namespace, served_name: str) -> ServerConfig:
             log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
             reasoning_parser=getattr(args, "reasoning_parser", None),
             tool_call_parser=None if getattr(args, "tool_call_parser", "auto") == "auto" else args.tool_call_parser,
+            webui=getattr(args, "webui", True),
         )
     except ValueError as e:
         raise BriskError(str(e)) from None

@@ -74,6 +74,7 @@ class ServerConfig:
     log_stats_interval_s: float | None = None  # the periodic engine line (brisk serve: every 10 s while busy)
     reasoning_parser: str | None = None  # --reasoning-parser: <think> into reasoning_content
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
+    webui: bool = True  # GET / serves the built-in page (brisk.server.webui); --no-webui turns it off
 
     def __post_init__(self):
         if self.max_queued_requests < 0:

@@ -206,6 +206,18 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def block_owners(self) -> tuple[list[str | None], list[bool], list[bool]]:
+        """Each block's state, for a picture of the pool: (the request holding it, or None; whether more than one
+        request holds it (a shared prefix); whether a free block still holds a cached prefix)."""
+        owners: list[str | None] = [None] * self.pool.num_blocks
+        for rid, blocks in self.req_blocks.items():
+            for block in blocks:
+                if block is not WINDOW_FREED and owners[block.block_id] is None:
+                    owners[block.block_id] = rid
+        shared = [b.ref_cnt > 1 for b in self.pool.blocks]
+        cached = [b.ref_cnt == 0 and b.block_hash is not None for b in self.pool.blocks]
+        return owners, shared, cached
+
     def usage(self) -> KVCacheUsage:
         num_used = self.pool.num_blocks - self.pool.num_free_blocks
         # Slots filled, each used block counted once. A request's blocks hold exactly its tokens
