@@ -99,3 +99,36 @@ def test_bad_model_fails_fast_with_one_line(tmp_path):
                            str(free_port())], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_demo_answers_tools_as_make_serve_starts_it(demo):
+    """`make serve` is `brisk serve` on the demo: its catalog template renders tools, so the README's tool-calling
+    example works on the first try (and a plain chat renders exactly as the model's own template does)."""
+    import copy
+
+    from brisk.server.preflight import chat_template
+
+    shipped = copy.copy(demo.tokenizer)
+    shipped.set_chat_template(chat_template("smollm2_tools"))
+    for messages in ([{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]):
+        assert shipped.encode_chat(messages) == demo.tokenizer.encode_chat(messages)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "brisk", "serve", "--port", str(port), "--max-model-len", "2048",
+                             "--kv-cache-memory", "256MiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, "/ready", lambda r: r.status_code == 200)
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": tools,
+            "tool_choice": "required", "temperature": 0, "max_tokens": 60})
+        assert r.status_code == 200, r.text
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

