@@ -138,3 +138,27 @@ def test_serve_without_the_hub_fails_before_torch_is_imported(tmp_path):
     line, _, imported = serve_fails("Qwen/Qwen3-0.6B", env=env)
     assert line.startswith("brisk: error: model 'Qwen/Qwen3-0.6B' is not in brisk's cache")
     assert " torch" not in imported
+
+
+def test_a_hub_that_does_not_answer_is_one_line_without_retries(tmp_path):
+    """Without HF_HUB_OFFLINE, an endpoint that refuses connections (no network) is found out by one probe: the error
+    comes with no retry of huggingface_hub's (it used to back off for ~24 s and print 10 lines first)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{closed}", "BRISK_CACHE": str(tmp_path)}
+    env.pop("HF_HUB_OFFLINE", None)
+    line, _, _ = serve_fails("Qwen/Qwen3-0.6B", env=env)  # one line on stderr: no "Retrying in 1s" before it
+    assert line.startswith("brisk: error: model 'Qwen/Qwen3-0.6B' is not in brisk's cache")
+
+
+def test_the_probe_sees_a_listening_hub_and_a_closed_port(hub, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from brisk.models import hub as hub_module
+
+    assert hub_module.hub_reachable()  # the stand-in listens
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:1")
+    assert not hub_module.hub_reachable()

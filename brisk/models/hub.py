@@ -60,10 +60,34 @@ def _repo_files(repo: str) -> list[str]:
     from huggingface_hub.hf_api import RepoFile
 
     try:
+        if not hub_reachable():  # no network: the cache at once, not huggingface_hub's retries (~24 s of them)
+            raise OfflineModeIsEnabled("the Hugging Face Hub cannot be reached")
         return [f.path for f in HfApi().list_repo_tree(repo, recursive=True) if isinstance(f, RepoFile)]
     except (OfflineModeIsEnabled, httpx.ConnectError, httpx.TimeoutException):
         folder = Path(snapshot_download(repo, cache_dir=_hub_cache(), local_files_only=True))
         return [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
+
+
+PROBE_TIMEOUT_S = 2.0  # how long brisk waits to learn whether the Hub's host answers at all
+
+
+def hub_reachable() -> bool:
+    """Whether the Hub (HF_ENDPOINT) accepts a TCP connection within PROBE_TIMEOUT_S: a name that does not resolve or a
+    host that does not answer means offline now, before huggingface_hub retries with backoff."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
 
 
 def _pick_gguf(repo: str, ggufs: list[str], wanted: str) -> str:
