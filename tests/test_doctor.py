@@ -147,6 +147,9 @@ def test_doctor_quick_against_brisk_serve(demo, tmp_path, caplog):
     assert any("characters" in fix for fix in report["findings"]["context"]["fixes"])
     batching = report["findings"]["kv_batching"]["evidence"]
     assert batching["engine_metrics"] == "brisk" and batching["levels"] == [1, 2, 4]
+    # brisk exports brisk:kv_usage_ratio, and every quick level samples it at its start and end at least
+    assert batching["max_kv_usage"] is not None
+    assert not any("KV cache usage" in m for m in report["findings"]["kv_batching"]["not_measured"])
     assert report["findings"]["network"]["status"] == "ok"
     assert report["findings"]["cold_start"]["status"] == "ok"
     sweep = report["measurements"]["context"]["sweep"]

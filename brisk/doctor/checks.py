@@ -548,22 +548,29 @@ def _engine_of(metrics: dict[str, float]) -> str | None:
 
 
 class _Sampler:
-    """Polls /metrics while a level runs and keeps the maxima of the KV and queue gauges."""
+    """Keeps the maxima of the KV and queue gauges over a level: sampled at its start and end (`observe`) and every
+    0.25 s while it runs, so that a level shorter than one poll is still seen."""
 
     def __init__(self, p: Prober, engine: str | None):
         self.p, self.engine = p, engine
-        self.max_kv, self.max_waiting = None, None  # None: the server does not export the gauge
+        self.max_kv, self.max_waiting = None, None  # None: not exported, or never sampled (`scrapes` tells which)
+        self.scrapes = 0  # /metrics answers read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self):
+    def observe(self, m: dict[str, float]) -> None:
+        if not m or not self.engine:
+            return
+        self.scrapes += 1
         kv, waiting, _ = _ENGINE_METRICS[self.engine]
+        if kv in m:
+            self.max_kv = max(self.max_kv or 0.0, m[kv])
+        if waiting in m:
+            self.max_waiting = max(self.max_waiting or 0.0, m[waiting])
+
+    def _run(self):
         while not self._stop.wait(0.25):
-            m = scrape(self.p)
-            if kv in m:
-                self.max_kv = max(self.max_kv or 0.0, m[kv])
-            if waiting in m:
-                self.max_waiting = max(self.max_waiting or 0.0, m[waiting])
+            self.observe(scrape(self.p))
 
     def __enter__(self):
         if self.engine:
@@ -618,6 +625,7 @@ def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
                 prompts.append([{"role": "user", "content": f"[{nonce:x}-{counter}] List {counter % 7 + 3} colours."}])
             metrics_before = scrape(p) if engine else {}
             with _Sampler(p, engine) as sampler, ThreadPoolExecutor(max_workers=level) as pool:
+                sampler.observe(metrics_before)
                 start = time.perf_counter()
                 deadline = budget.timeout()
                 timings = list(pool.map(lambda m: p.stream_chat(
@@ -625,8 +633,10 @@ def check_concurrency(p: Prober, o: Options) -> tuple[Finding, dict]:
                     timeout_s=max(deadline - (time.perf_counter() - start), 0.5)), prompts))
                 wall = time.perf_counter() - start
             metrics_after = scrape(p) if engine else {}
+            sampler.observe(metrics_after)
             run = runs.setdefault(level, {"level": level, "timings": [], "round_walls": [], "max_kv": None,
-                                          "max_waiting": None, "preemptions": None})
+                                          "max_waiting": None, "preemptions": None, "scrapes": 0})
+            run["scrapes"] += sampler.scrapes
             run["timings"] += timings
             run["round_walls"].append(wall)
             for key, value in (("max_kv", sampler.max_kv), ("max_waiting", sampler.max_waiting)):
@@ -657,7 +667,8 @@ def _level_row(run: dict, engine: str | None) -> dict:
             "throughput_tok_s": sum(t.completion_tokens or 0 for t in ok) / wall,
             "queue_ms_p50": _median(queue), "max_kv_usage": run["max_kv"] if engine else None,
             "max_waiting": run["max_waiting"] if engine else None,
-            "preemptions": run["preemptions"]}  # None: not exported
+            "preemptions": run["preemptions"],  # None: not exported
+            "metrics_scrapes": run["scrapes"]}
 
 
 POOR_EFFICIENCY = 0.35  # throughput per stream below this share of one stream's: saturated
@@ -754,7 +765,9 @@ def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
     else:
         waiting = [r["max_waiting"] for r in rows if r.get("max_waiting") is not None]
         evidence.update(max_kv_usage=max_kv, preemptions=preemptions, max_waiting=max(waiting) if waiting else None)
-        if max_kv is None:
+        if max_kv is None and not any(r.get("metrics_scrapes") for r in rows):
+            missing.append(f"KV cache usage (not sampled: {engine}'s /metrics did not answer while the levels ran)")
+        elif max_kv is None:
             missing.append(f"KV cache usage ({engine}'s /metrics has no KV usage gauge)")
         if preemptions is None:
             missing.append(f"preemptions ({engine}'s /metrics does not count them)")
