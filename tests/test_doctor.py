@@ -218,3 +218,23 @@ def test_five_quick_runs_against_brisk_serve_give_the_same_statuses(demo, tmp_pa
     assert got == [got[0]] * 5, [{a: f["summary"] for a, f in r["findings"].items()} for r in runs]
     assert all(r["skipped"] == [] for r in runs)
     assert got[0]["kv_batching"] in ("ok", "warning") and got[0]["network"] == got[0]["cold_start"] == "ok"
+
+
+def test_a_level_shorter_than_one_poll_still_samples_the_kv_gauge(demo, monkeypatch):
+    """A quick level can end before the 0.25 s poller's first scrape: its start and end samples still see brisk's
+    KV gauge (the doctor used to report "no KV usage gauge" for brisk then). The poller is switched off here, as a
+    level shorter than one poll leaves it."""
+    from brisk.doctor import checks
+    from brisk.doctor.probe import Prober
+
+    monkeypatch.setattr(checks._Sampler, "_run", lambda self: None)
+    with serve_engine(make_engine(demo)) as live:
+        p = Prober(live.url)
+        try:
+            finding, data = checks.check_concurrency(p, checks.Options("smollm2-135m-instruct", quick=True))
+        finally:
+            p.close()
+    assert data["engine_metrics"] == "brisk"
+    assert all(level["metrics_scrapes"] >= 2 * level["rounds"] for level in data["levels"])
+    assert finding.evidence["max_kv_usage"] is not None
+    assert not any("KV cache usage" in m for m in finding.not_measured), finding.not_measured
