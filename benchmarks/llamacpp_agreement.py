@@ -69,7 +69,7 @@ def main() -> None:
 
     demo = load("smollm2-135m-instruct", warmup=False)
     spm = train_sentencepiece(root / "spm", (Path(__file__).resolve().parent.parent / "README.md").read_text())
-    print("| family | greedy tokens: brisk = llama-server | brisk = HF | first difference |")
+    print("| family | greedy tokens: brisk = llama-server | brisk = HF | first difference from llama-server |")
     print("|---|---|---|---|")
     for name, family in FAMILIES.items():
         built = _build(name, family, root / name, demo, spm)
@@ -78,7 +78,16 @@ def main() -> None:
         theirs = llama_server_greedy(args.llama_server, built.gguf, ids, NEW_TOKENS)
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         print(f"| {name} | {'yes' if ours == theirs else 'NO'} | {'yes' if ours == hf else 'NO'} | "
-              f"{'-' if first is None else f'token {first}'} |")
+              f"{'-' if first is None else f'token {first}' + _margin(built.hf, ids + ours[:first])} |", flush=True)
+
+
+def _margin(hf, ids: list[int]) -> str:
+    """HF's gap between its top two next-token logits there: a near-tie that float rounding can flip."""
+    import torch
+
+    with torch.inference_mode():
+        top = hf(torch.tensor([ids])).logits[0, -1].float().topk(2).values
+    return f" (HF's top two logits {float(top[0] - top[1]):.1e} apart, of {float(top[0]):.3f})"
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ FAMILIES = {
         head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
     "qwen2moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
-    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2,
+    # OLMoE's heads are all key/value heads (llama.cpp's olmoe takes no GQA: its k_norm spans the hidden size)
+    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, num_key_value_heads=4,
                                                              intermediate_size=32, rms_norm_eps=1e-5)),
 }
 
