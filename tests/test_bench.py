@@ -43,6 +43,27 @@ def test_metric_math_by_hand():
     assert s.e2el.median == pytest.approx((0.8 + 0.5) / 2)
 
 
+def test_the_result_table_is_readable_at_80_columns():
+    """A run per column on a narrow terminal: every header and figure whole (a run per row, squeezed into 80
+    columns, cut each one to `con…`, `11…`, `TT…`)."""
+    from rich.console import Console
+
+    from brisk.bench.report import COLUMNS, RunResult, console_table
+
+    a, b, c = records()
+    runs = [RunResult(f"concurrency={n}", "concurrency", n, [a, b, c], summarize([a, b, c]), 1.0) for n in (1, 16, 64)]
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(console_table(runs, console.width))
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    for header in [*COLUMNS[1:], "concurrency=16", "concurrency=64"]:
+        assert header in text, header
+    assert "497" in text and "1.33" in text  # the TTFT p99 in ms and req/s, whole
+    wide = Console(width=200, record=True, file=open("/dev/null", "w"))
+    wide.print(console_table(runs, wide.width))
+    assert "…" not in wide.export_text() and "TTFT p50 ms" in wide.export_text()
+
+
 def test_goodput_counts_requests_meeting_every_slo():
     a, b, c = records()
     assert summarize([a, b, c], SLO(ttft_ms=300)).goodput == pytest.approx(1 / 1.5)  # only b

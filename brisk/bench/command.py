@@ -203,7 +203,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.append(RunResult(run_label, knob, value, records, summarize(records, slo), monitor.p99_ms,
                                      cap))
 
-    Console(width=None if sys.stdout.isatty() else 160).print(console_table(results))
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(console_table(results, console.width))
     _print_warnings(console, results, args)
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base_url": server.url, "model_id": model,
             "endpoint": args.endpoint, "workload": args.workload, "input_len": args.input_len,

@@ -57,24 +57,41 @@ class RunResult:
         return out
 
 
-def console_table(results: list[RunResult]):
+COLUMNS = ("run", "ok/failed", "out tok/s", "req/s", "goodput", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+           "ITL p50 ms", "ITL p99 ms", "E2E p50 ms", "cache hits")
+WIDE_TABLE_COLUMNS = 140  # the run-per-row table needs about this many; narrower terminals get a run per column
+
+
+def _cells(r: RunResult) -> list[str]:
+    s = r.summary
+
+    def ms(dist, attr):
+        return "–" if dist is None else f"{getattr(dist, attr) * 1e3:.0f}"
+
+    return [r.label + (" ⚠" if r.client_bound else ""), f"{s.completed}/{s.failed}", f"{s.output_throughput:.1f}",
+            f"{s.request_throughput:.2f}", "–" if s.goodput is None else f"{s.goodput:.2f}", ms(s.ttft, "median"),
+            ms(s.ttft, "p99"), ms(s.tpot, "median"), ms(s.itl, "median"), ms(s.itl, "p99"), ms(s.e2el, "median"),
+            "–" if s.prefix_cache_hit_rate is None else f"{s.prefix_cache_hit_rate:.0%}"]
+
+
+def console_table(results: list[RunResult], width: int | None = None):
+    """The results as a rich table: a run per row where the terminal is wide enough, else a run per column (the
+    metrics down the side), so that an 80-column terminal shows every figure whole."""
     from rich.table import Table
 
     table = Table(title="brisk bench", header_style="bold")
-    for col in ("run", "ok/failed", "out tok/s", "req/s", "goodput", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                "ITL p50 ms", "ITL p99 ms", "E2E p50 ms", "cache hits"):
-        table.add_column(col, justify="right")
-    for r in results:
-        s = r.summary
-
-        def ms(dist, attr):
-            return "–" if dist is None else f"{getattr(dist, attr) * 1e3:.0f}"
-
-        table.add_row(r.label + (" ⚠" if r.client_bound else ""), f"{s.completed}/{s.failed}",
-                      f"{s.output_throughput:.1f}", f"{s.request_throughput:.2f}",
-                      "–" if s.goodput is None else f"{s.goodput:.2f}", ms(s.ttft, "median"), ms(s.ttft, "p99"),
-                      ms(s.tpot, "median"), ms(s.itl, "median"), ms(s.itl, "p99"), ms(s.e2el, "median"),
-                      "–" if s.prefix_cache_hit_rate is None else f"{s.prefix_cache_hit_rate:.0%}")
+    if width is None or width >= WIDE_TABLE_COLUMNS:
+        for col in COLUMNS:
+            table.add_column(col, justify="right")
+        for r in results:
+            table.add_row(*_cells(r))
+        return table
+    rows = [_cells(r) for r in results]
+    table.add_column("metric", no_wrap=True)
+    for cells in rows:
+        table.add_column(cells[0], justify="right", overflow="fold")
+    for i, name in enumerate(COLUMNS[1:], start=1):
+        table.add_row(name, *(cells[i] for cells in rows))
     return table
 
 
