@@ -79,9 +79,13 @@ def test_directory_without_config(tmp_path, brisk_cache):
 
 
 def test_file_that_is_not_gguf(tmp_path, brisk_cache):
-    path = tmp_path / "model.bin"
+    path = tmp_path / "model.onnx"
     path.write_bytes(b"x" * 10)
     with pytest.raises(ModelLoadError, match="unsupported model file"):
+        load(str(path))
+    path = tmp_path / "pytorch_model.bin"  # a checkpoint's weights alone: the hint names the directory
+    path.write_bytes(b"x" * 10)
+    with pytest.raises(ModelLoadError, match="a weights file alone is not a model; pass its directory"):
         load(str(path))
 
 

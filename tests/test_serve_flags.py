@@ -2,6 +2,7 @@
 no weights read) as one line and exit 2; vLLM's flags mean what they mean there; the access and
 engine-stats log lines; GET /v1/models/{id} and model aliases with the official client."""
 
+import json
 import logging
 import socket
 import subprocess
@@ -229,3 +230,35 @@ def test_access_and_stats_lines_models_retrieve_and_aliases(demo, caplog):
     stats = next(r.getMessage() for r in caplog.records if r.name == "brisk.stats")
     for needle in ("generation", "tok/s", "running", "waiting", "KV usage", "prefix-cache hits"):
         assert needle in stats
+
+
+def _model_files(tmp_path):
+    """A directory with a config and a tokenizer but no weights, a lone weights file, and a truncated GGUF."""
+    from brisk.models.registry import resolve
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}))
+    (folder / "tokenizer.json").write_text("{}")
+    lone = tmp_path / "model.safetensors"
+    lone.write_bytes(b"\\x08\\x00\\x00\\x00\\x00\\x00\\x00\\x00{}      ")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(resolve(None).path.read_bytes()[:3000])
+    return folder, lone, cut
+
+
+@pytest.mark.parametrize("which, needles", [
+    ("folder", ["no weights (no *.safetensors file)"]),
+    ("lone", ["a weights file alone is not a model; pass its directory"]),
+    ("cut", ["GGUF header is cut short or corrupt", "download it again"]),
+])
+def test_a_model_that_cannot_load_fails_before_the_port_is_bound(tmp_path, which, needles):
+    """Newcomers' cases: each is one `brisk: error:` line before anything is bound or imported (the folder without
+    weights bound the port, logged "listening" and failed 2.9 s later), and none carries Python's internals."""
+    folder, lone, cut = _model_files(tmp_path)
+    line, _, imported = serve_fails(str({"folder": folder, "lone": lone, "cut": cut}[which]))
+    assert all(n in line for n in needles), line
+    assert "struct" not in line and "unpack" not in line and "buffer" not in line, line
+    assert " torch" not in imported and "fastapi" not in imported

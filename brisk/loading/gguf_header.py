@@ -60,8 +60,11 @@ def read_gguf_header(path: str | Path, contents: bool = False) -> GGUFHeader:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse(buf, str(path), contents)
-    except (OSError, ValueError, struct.error) as e:
-        raise ModelLoadError(f"{path}: cannot read GGUF metadata ({e}); the file is truncated or corrupt") from None
+    except OSError as e:  # the operating system's reason (no such file, permission, empty file)
+        raise ModelLoadError(f"{path}: cannot read the file ({e.strerror or e}); check the path") from None
+    except (ValueError, struct.error, UnicodeDecodeError):  # the parser ran off the end or met nonsense
+        raise ModelLoadError(f"{path}: its GGUF header is cut short or corrupt ({path.stat().st_size:,} bytes); "
+                             "the file is truncated or damaged — download it again") from None
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from brisk.errors import ModelLoadError
+from brisk.loading.checkpoint import checkpoint_files  # noqa: F401 (its home before; callers import it here)
 
 DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -123,25 +124,6 @@ def load_file(path: Path) -> tuple[dict[str, torch.Tensor], MappedFile]:
         for name, info in header.items()
     }
     return tensors, mapped
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a model directory, in shard order."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"{index}: malformed shard index ({e}); re-download it") from None
-        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir}: no *.safetensors files; brisk needs safetensors weights")
-    for file in files:
-        if not file.exists():
-            raise ModelLoadError(f"{file}: shard listed in the index is missing; re-download the model")
-    return files
 
 
 class ShardPrefetcher:

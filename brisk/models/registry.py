@@ -77,6 +77,11 @@ def resolve(model: "str | ModelSource | None") -> ModelSource:
             )
         return ModelSource(name, path, "hf-dir")
     if path.is_file():
+        if path.suffix.lower() in (".safetensors", ".bin", ".pt", ".pth"):
+            raise ModelLoadError(
+                f"{path}: a weights file alone is not a model; pass its directory ({path.parent}), which holds "
+                "config.json and the tokenizer beside the weights"
+            )
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(
                 f"{path}: unsupported model file; brisk reads .gguf files or Hugging Face model directories"

@@ -46,9 +46,13 @@ def model_config(source) -> dict[str, Any]:
         return config
     path = Path(source.path) / "config.json"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise BriskError(f"{path}: cannot read the model config ({e})") from None
+    from brisk.loading.checkpoint import checkpoint_files
+
+    checkpoint_files(Path(source.path))  # weights present (every shard of an index): before the port is bound
+    return config
 
 
 def check_window(args: argparse.Namespace, config: dict[str, Any], source: str) -> tuple[int, int]:
