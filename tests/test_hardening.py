@@ -133,7 +133,7 @@ def test_lone_surrogate_is_a_400_naming_the_field(server, path, raw, param):
 # -- 3. the API key guards every route but the probes; keys compared as bytes ---------------
 GUARDED = [("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}),
            ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/metrics", None), ("GET", "/docs", None),
-           ("GET", "/redoc", None), ("GET", "/openapi.json", None),
+           ("GET", "/docs/static/swagger-ui-bundle.js", None), ("GET", "/openapi.json", None),
            ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})]
 
 

@@ -107,3 +107,15 @@ def test_a_reply_streams_into_the_chat_and_the_engine_view_follows_a_load(server
                            "Number(document.getElementById('pool').dataset.cached) > 0", timeout=30_000)
     assert not [u for u in failed_requests if not u.startswith(server.url)]  # nothing reached off the machine
     page.close()
+
+
+def test_the_api_docs_render_offline(demo, browser):
+    """/docs: Swagger UI from the fastapi-swagger package, no CDN (FastAPI's own page was blank offline)."""
+    with serve_engine(make_engine(demo)) as live:
+        page = browser.new_page()
+        outside = []
+        page.on("request", lambda r: None if r.url.startswith(live.url) else outside.append(r.url))
+        page.goto(f"{live.url}/docs")
+        page.wait_for_selector("text=chat/completions", timeout=30_000)
+        assert page.locator(".swagger-ui").count() == 1 and not outside, outside
+        page.close()

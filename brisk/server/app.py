@@ -73,12 +73,15 @@ def _lifespan(state: ServerState):
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="brisk", version=_version(), lifespan=_lifespan(state))
+    # /docs is served below with Swagger UI's files from a PyPI package: FastAPI's own loads them from a CDN, and
+    # shows a blank page offline
+    app = FastAPI(title="brisk", version=_version(), lifespan=_lifespan(state), docs_url=None, redoc_url=None)
     app.state.brisk = state
     install_handlers(app)
     install_openapi(app, state)
     app.add_middleware(GuardMiddleware, state=state)
     _status_routes(app, state)
+    _docs_routes(app)
     _engine_routes(app, state)
     _model_routes(app, state)
     _token_routes(app, state)
@@ -119,6 +122,24 @@ def _status_routes(app: FastAPI, state: ServerState) -> None:
             except EngineDeadError:
                 stats = None
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+def _docs_routes(app: FastAPI) -> None:
+    """Swagger UI at /docs with its JavaScript and CSS from the fastapi-swagger package (Swagger UI 5, which reads
+    OpenAPI 3.1; works offline)."""
+    from importlib.resources import files
+
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount("/docs/static", StaticFiles(directory=str(files("fastapi_swagger") / "resources")), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title="brisk API",
+                                   swagger_js_url="/docs/static/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/static/swagger-ui.css",
+                                   swagger_favicon_url="/docs/static/favicon-32x32.png")
 
 
 def _engine_routes(app: FastAPI, state: ServerState) -> None:
