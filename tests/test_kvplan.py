@@ -196,8 +196,8 @@ def test_cli_plans_chunked_prefill_with_serve_defaults(tmp_path):
 
 
 def test_readme_command_reproduces_the_docs(tmp_path):
-    """The kv-plan command in the README, run as written (outputs redirected to a temp folder),
-    gives exactly the plan and trace committed in docs/kv-plan/."""
+    """The kv-plan command in the README, run as written (its outputs, /tmp/kv-plan, redirected to a temp folder),
+    gives exactly the plan and trace committed in docs/kv-plan/; as written it touches no tracked file."""
     import shlex
     from pathlib import Path
 
@@ -207,7 +207,9 @@ def test_readme_command_reproduces_the_docs(tmp_path):
     assert len(lines) == 1, lines
     assert lines[0] in (root / "docs" / "kv-plan.md").read_text()  # the docs quote the same command
     argv = shlex.split(lines[0])[1:]
-    argv = [a.replace("docs/kv-plan", str(tmp_path)) for a in argv]
+    assert not [a for a in argv if "docs/" in a], argv  # a newcomer running it rewrites nothing in the clone
+    assert sum("/tmp/kv-plan" in a for a in argv) == 3, argv
+    argv = [a.replace("/tmp/kv-plan", str(tmp_path)) for a in argv]
     proc = subprocess.run([sys.executable, "-m", "brisk", *argv], capture_output=True, text=True, timeout=600,
                           cwd=root)
     assert proc.returncode == 0, proc.stderr
