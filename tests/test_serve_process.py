@@ -90,6 +90,10 @@ def test_socket_answers_before_ready_then_sigterm_drains(serve_process):
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
     log = proc.stdout.read()
+    # the log ends with the drain's outcome: the short stream finished, the long one was cut
+    last = log.rstrip().splitlines()[-1]
+    assert last.endswith("stopped (exit 0): 2 requests were in flight at shutdown, 1 finished, 1 ended by the 6 s "
+                         "drain timeout"), log[-2000:]
     paths = [line for line in log.splitlines() if "compute paths on cpu:" in line]
     assert len(paths) == 1, log[-3000:]  # the one place that picks each path says it once (brisk/kernels/paths.py)
 

@@ -125,4 +125,5 @@ def serve(args: argparse.Namespace, checked, remote_engine=None, on_state=None) 
     state.on_load_failed = server.fail
     log.info("listening on http://%s:%d (model loading; GET /ready)", args.host, args.port)
     asyncio.run(server.serve(sockets=[checked.sock]))  # bound by preflight: a busy port failed there
+    log.info(state.stopped_line(server.exit_code))
     return server.exit_code

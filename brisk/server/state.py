@@ -121,6 +121,8 @@ class ServerState:
         self.started_unix = time.time()  # the `created` of /v1/models
         self.ready_ts: float | None = None
         self.draining = False
+        self.drained_from = 0  # requests in flight when the drain began
+        self.drain_cut = 0  # of them, those still running at --shutdown-timeout (ended with an error)
         self.num_active = 0  # engine requests admitted and not yet finished
         self._factory = engine_factory
         self.on_load_failed: Callable[[str], None] | None = None  # set by `brisk serve`: exit
@@ -269,12 +271,24 @@ class ServerState:
         if self.draining:
             return
         self.draining = True
+        self.drained_from = self.num_active
         log.info("draining: %d requests in flight, up to %.0f s", self.num_active, self.config.shutdown_timeout_s)
         if self.engine is not None:
-            engine = self.engine
-            loop.call_later(self.config.shutdown_timeout_s, engine.fail_all,
-                            ShutdownError(f"the server shut down (after the {self.config.shutdown_timeout_s:g} s "
-                                          "drain timeout) before this request finished"))
+            loop.call_later(self.config.shutdown_timeout_s, self._end_drain, self.engine)
+
+    def _end_drain(self, engine) -> None:
+        self.drain_cut = self.num_active
+        engine.fail_all(ShutdownError(f"the server shut down (after the {self.config.shutdown_timeout_s:g} s "
+                                      "drain timeout) before this request finished"))
+
+    def stopped_line(self, exit_code: int) -> str:
+        """The last line `brisk serve` logs: how the drain went, so a log ends with the outcome, not mid-story."""
+        if not self.draining:
+            return f"stopped (exit {exit_code})"
+        cut = self.drain_cut
+        return (f"stopped (exit {exit_code}): {self.drained_from} requests were in flight at shutdown, "
+                f"{self.drained_from - cut} finished, {cut} ended by the {self.config.shutdown_timeout_s:g} s "
+                "drain timeout")
 
 
 def open_request_log(path: str):
