@@ -114,11 +114,12 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
-    def llama_like(self) -> bool:
-        """Llama's block exactly (what brisk's compiled decode stack runs); the families' extras off."""
-        return (self.hidden_act == "silu" and not self.qk_norm and not self.sandwich_norms
-                and self.attn_softcap is None and self.sliding_rope is None and not self.nope_layers
-                and self.moe is None)
+    def stack_compiles(self) -> bool:
+        """Llama's block, with q/k norms and routed experts allowed (what brisk's compiled decode stack runs):
+        the other families' extras off, and no shared expert."""
+        return (self.hidden_act == "silu" and not self.sandwich_norms and self.attn_softcap is None
+                and self.sliding_rope is None and not self.nope_layers
+                and (self.moe is None or not self.moe.shared_expert_intermediate_size))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers

@@ -158,3 +158,47 @@ def test_each_step_calls_the_library_bound_at_that_time(demo, monkeypatch):
     while engine.has_unfinished_requests():
         engine.step()
     assert len(calls) >= 3  # every decode step after the prompt's
+
+
+# q/k norms and mixtures of experts (moe.cpp, the block the Python path calls too): Qwen3's per-head norms,
+# Qwen3-MoE's and OLMoE's routed experts (OLMoE: norms over the whole projection, no renormalised top k),
+# Mixtral's Llama block with experts; norms drawn around one, so that swapping q's and k's would show
+FAMILIES = {
+    "qwen3": Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128, head_dim=64, arch="qwen3"),
+    "qwen3moe": Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128, head_dim=64, experts=8,
+                      experts_used=2, expert_ffn=256, arch="qwen3moe"),
+    "olmoe": Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=4, context=128, experts=8, experts_used=3,
+                   expert_ffn=256, arch="olmoe"),
+    "mixtral": Shape(hidden=256, layers=2, ffn=256, heads=4, kv_heads=2, context=128, experts=4, experts_used=2,
+                     expert_ffn=256),
+}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_qk_norms_and_experts_are_bit_identical(family, qtype, tmp_path_factory, brisk_cache):
+    path = write_random_gguf(tmp_path_factory.mktemp("fam") / f"{family}-{qtype}.gguf", FAMILIES[family], qtype,
+                             None, random_norms=True)
+    loaded = load(str(path), max_model_len=128, warmup=False)
+    assert loaded.config.qk_norm == {"qwen3": "head", "qwen3moe": "head", "olmoe": "full", "mixtral": None}[family]
+    assert (loaded.config.moe is not None) == (family != "qwen3")
+    gen = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 2, 17, 30)]
+    _compare(loaded, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
+             block_size=4, max_tokens_per_step=8)
+
+
+def test_a_shared_expert_keeps_the_python_path(tmp_path_factory, brisk_cache):
+    """Qwen2-MoE's shared expert is not in the compiled block: its steps go layer by layer, and the log says why."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(5)
+    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=128, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("qwen2moe")
+    Qwen2MoeForCausalLM(config).eval().save_pretrained(path)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(path / "tokenizer.json"))
+    loaded = load(str(path), max_model_len=128, warmup=False)
+    assert _engine(loaded).runner.decode_stack is None

@@ -101,6 +101,7 @@ def test_packed_experts_compute_the_float_model_up_to_activation_rounding(moe_gg
         with monkeypatch.context() as m:
             m.setattr(kernels, "quant_matmul", lambda *a: kernels.reference_matmul(*a, quantized_activations=False))
             m.setattr(kernels, "quant_matmul_experts", _float_activation_experts)
+            m.setattr(SparseMoeBlock, "compiled", lambda self: None)  # the torch path, through the kernels above
             exact = _logits(packed, ids)
         torch.testing.assert_close(exact, reference, rtol=1e-4, atol=1e-4)
     else:
@@ -131,13 +132,21 @@ def test_the_grouped_kernel_gives_each_expert_what_its_own_matmul_gives(moe_gguf
         lib.brisk_kernels_force_isa(-1)
 
 
+@pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0", "BF16", "float"])
-def test_a_row_gets_the_same_bits_alone_and_in_a_batch(kind, tmp_path_factory, brisk_cache):
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(kind, path, tmp_path_factory, brisk_cache, monkeypatch):
     """The expert-grouped matmul: 23 rows together (experts shared by several rows, read once) give each row
-    exactly what it gets alone, so a request's tokens do not depend on what it is batched with."""
-    path = write_random_gguf(tmp_path_factory.mktemp("bits") / f"moe-{kind}.gguf", MOE,
-                             "F32" if kind == "float" else kind, None)
-    block = load(str(path), warmup=False).model.model.layers[0].mlp
+    exactly what it gets alone, so a request's tokens do not depend on what it is batched with; on the
+    compiled block (moe.cpp: the quantized types) and on the torch path (every type)."""
+    if path == "compiled" and kind in ("BF16", "float"):
+        pytest.skip("16-bit and float experts take the torch path")
+    gguf_path = write_random_gguf(tmp_path_factory.mktemp("bits") / f"moe-{kind}.gguf", MOE,
+                                  "F32" if kind == "float" else kind, None)
+    block = load(str(gguf_path), warmup=False).model.model.layers[0].mlp
+    if path == "torch":
+        monkeypatch.setattr(block, "compiled", lambda: None)
+    else:
+        assert block.compiled() is not None
     x = torch.randn(23, MOE.hidden, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         together = block(x)
@@ -145,6 +154,28 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch(kind, tmp_path_factory, b
         assert len(ids.unique()) < 23 * MOE.experts_used  # experts shared by rows
         for r in range(23):
             assert torch.equal(block(x[r:r + 1].clone())[0], together[r]), r
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0", "Q4_0"])
+def test_the_compiled_block_routes_and_computes_as_the_torch_path(kind, tmp_path_factory, brisk_cache):
+    """moe.cpp's block (router, top k, grouped experts, weighted sum in one call) against the torch path over the
+    same packed experts: the same experts for every row, the same order, and outputs equal up to the router's
+    float rounding (its logits summed in another order than oneDNN's)."""
+    gguf_path = write_random_gguf(tmp_path_factory.mktemp("cblock") / f"moe-{kind}.gguf", MOE, kind, None)
+    block = load(str(gguf_path), warmup=False).model.model.layers[1].mlp
+    assert block.compiled() is not None
+    x = torch.randn(37, MOE.hidden, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        ids = torch.empty(37, MOE.experts_used, dtype=torch.int64)
+        weights = torch.empty(37, MOE.experts_used)
+        kernels.library().brisk_moe_route(x.data_ptr(), block.gate.weight.data_ptr(), 37, MOE.experts, MOE.hidden,
+                                          MOE.experts_used, 1, ids.data_ptr(), weights.data_ptr())
+        ref_ids, ref_weights = route(torch.nn.functional.linear(x, block.gate.weight), MOE.experts_used, True)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+        compiled = block(x)
+        reference = block.experts(x, ref_ids, ref_weights)
+    torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-5)
 
 
 def test_greedy_tokens_do_not_depend_on_the_batch(brisk_cache, tmp_path_factory):

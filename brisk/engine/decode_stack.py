@@ -25,6 +25,7 @@ from brisk.kernels.paths import compute_paths
 from brisk.engine.attention import AttentionMetadata, PagedKVCache
 from brisk.models.layers import RopeTables
 from brisk.models.decoder import DecoderForCausalLM
+from brisk.models.moe import SparseMoeBlock
 from brisk.models.quant import QuantLinear, StackedQuantLinear
 
 log = logging.getLogger("brisk.decode_stack")
@@ -96,8 +97,8 @@ class DecodeStack:
             reason = "attention shape the paged kernel does not take"
         elif not isinstance(model, DecoderForCausalLM):
             reason = f"model class {type(model).__name__}"
-        elif not cfg.llama_like:
-            reason = f"{cfg.architecture}'s block is not Llama's"
+        elif not cfg.stack_compiles:
+            reason = f"{cfg.architecture}'s block has parts the compiled stack does not run"
         elif kv.k.device.type != "cpu" or kernels.kv_code(kv.k, kv.dtype) is None:
             reason = "KV cache is not on the CPU"
         if reason is None:
@@ -105,21 +106,31 @@ class DecodeStack:
             for i, layer in enumerate(model.model.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv = _qkv_weights(attn.qkv_proj, 2 * cfg.intermediate_size)
-                weights = [qkv and qkv[0]] + [_quant_weight(m) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+                experts = mlp.compiled() if isinstance(mlp, SparseMoeBlock) else None
+                dense = () if isinstance(mlp, SparseMoeBlock) else (mlp.gate_up_proj, mlp.down_proj)
+                weights = [qkv and qkv[0]] + [_quant_weight(m) for m in (attn.o_proj, *dense)]
+                if not dense:  # a mixture of experts: its own weights in `moe`
+                    weights += [abi.QuantWeight(), abi.QuantWeight()]
                 weights.append(qkv and qkv[1])
-                if any(w is None for w in weights) or any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj,
-                                                                                       mlp.down_proj)):
+                if any(w is None for w in weights) or any(m.bias is not None for m in (attn.o_proj, *dense)):
                     reason = f"layer {i} has float (or biased) projections"
                     break
+                if isinstance(mlp, SparseMoeBlock) and experts is None:
+                    reason = f"layer {i}'s experts are not packed in a type the compiled block takes"
+                    break
                 norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-                if not all(_f32_vector(w) for w in norms):
+                qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else ()
+                if not all(_f32_vector(w) for w in (*norms, *qk_norms)):
                     reason = f"layer {i}'s norms are not float32"
                     break
                 window = cfg.layer_windows[i] if cfg.layer_windows else None
                 k_scale, v_scale = kv.scales(i)
                 layers.append(abi.Layer(*weights, norms[0].data_ptr(), norms[1].data_ptr(), kv.k[i].data_ptr(),
                                         kv.v[i].data_ptr(), None if k_scale is None else k_scale.data_ptr(),
-                                        None if v_scale is None else v_scale.data_ptr(), window or 0))
+                                        None if v_scale is None else v_scale.data_ptr(), window or 0,
+                                        {None: 0, "head": 1, "full": 2}[attn.qk_norm],
+                                        *((w.data_ptr() for w in qk_norms) if qk_norms else (None, None)),
+                                        experts or abi.Experts()))
             if reason is None and not _f32_vector(model.model.norm.weight):
                 reason = "final norm is not float32"
         if reason is not None:

@@ -20,6 +20,21 @@ struct BriskQuantWeight {
     int64_t half;   // bits 16: 1 bfloat16, 2 float16
 };
 
+// A mixture of experts' stacked weights: expert e's arrays start at w.q + e * q_stride (bytes; likewise d, m,
+// sub), each one [n, k] as `w` describes (tiled quantized: quant_matmul.cpp's layouts).
+struct BriskExpertWeight {
+    BriskQuantWeight w;
+    int64_t q_stride, d_stride, m_stride, sub_stride;
+};
+
+// A mixture-of-experts MLP (moe.cpp): the router [num, hidden] float32, each expert's gate and up rows
+// [2 * inter, hidden] and down [hidden, inter], the top_k experts a token takes, renormalised or not.
+struct BriskExperts {
+    const float* router;
+    BriskExpertWeight gate_up, down;
+    int64_t num, top_k, renorm;
+};
+
 // One decoder layer of the compiled decode step (decoder.cpp).
 struct BriskLayer {
     BriskQuantWeight qkv, o, gate_up, down;
@@ -33,6 +48,12 @@ struct BriskLayer {
     float* k_scale;  // int8: [slots, kv_heads]; else null
     float* v_scale;
     int64_t window;  // sliding window, 0: none
+    // RMSNorm of q and k before RoPE: 0 none, 1 per head (weights [head_dim]: Qwen3), 2 over the whole
+    // projection (weights [heads * head_dim] and [kv_heads * head_dim]: OLMoE)
+    int64_t qk_norm;
+    const float* q_norm;
+    const float* k_norm;
+    BriskExperts moe;  // router null: the dense MLP (gate_up, down)
 };
 
 struct BriskDims {
@@ -68,6 +89,13 @@ int brisk_quant_matmul_experts(const float* x, const uint8_t* wq, const uint16_t
                                int64_t N, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xn, float* out);
 int brisk_kernels_isa();
 void brisk_kernels_force_isa(int isa);
+
+// moe.cpp: the router's top k of each row of x [rows, H]: ids [rows, k] int64 by probability (highest first)
+// and their weights [rows, k] (softmax probabilities, renormalised to sum 1 where renorm)
+void brisk_moe_route(const float* x, const float* router, int64_t rows, int64_t E, int64_t H, int64_t k, int renorm,
+                     int64_t* ids, float* weights);
+// out [rows, hidden] = the mixture of experts of x [rows, hidden]; 0, or 1 for weights it does not take
+int brisk_moe_block(const BriskExperts* m, const float* x, int64_t rows, float* out);
 
 // half_matmul.cpp: out [M, N] = x [M, K] . W^T, W 16-bit floats (kind 1 bfloat16, 2 float16);
 // 0, or 1 for another kind. Takes brisk_kernels_isa()'s path.

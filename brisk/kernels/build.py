@@ -12,7 +12,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "quant_matmul.cpp", HERE / "half_matmul.cpp", HERE / "paged_attention.cpp", HERE / "fused_ops.cpp",
-           HERE / "decoder.cpp", HERE / "repack.cpp")
+           HERE / "decoder.cpp", HERE / "moe.cpp", HERE / "repack.cpp")
 HEADERS = (HERE / "simd_avx2.h", HERE / "simd_widen.h", HERE / "brisk_abi.h", HERE / "kv_types.h")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=x86-64", "-Wall"]
 

@@ -6,8 +6,10 @@
 // the two paths give bit-identical results (tests/test_decode_stack.py holds them to it).
 //
 // Applies to layers whose four projections are brisk's quantized linears (quant_matmul.cpp) or
-// 16-bit float ones (half_matmul.cpp), q/k/v in one weight or two (`qkv_rest`),
-// float32 activations, and K/V read in place by the paged kernel (paged_attention.cpp).
+// 16-bit float ones (half_matmul.cpp), q/k/v in one weight or two (`qkv_rest`), q/k norms (Qwen3's per
+// head, OLMoE's over the projection), an MLP that is dense or a mixture of experts (moe.cpp, the
+// function the Python path calls too), float32 activations, and K/V read in place by the paged kernel
+// (paged_attention.cpp).
 // brisk/engine/decode_stack.py checks that and builds the per-layer table once.
 
 #include <cstdint>
@@ -69,10 +71,26 @@ int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims
         } else {
             matmul(L.qkv, s.x, rows, s, s.qkv);
         }
-        brisk_rope(s.qkv, qkv_n, cos, sin, rows, d.heads + d.kv_heads, d.head_dim, d.rot_dim);
+        if (L.qk_norm) {  // q and k normalized (per head, or each over its projection), then rotated apart
+            // as the Python path does; the normed k goes back into qkv, beside v, for the K/V store
+            const bool head = L.qk_norm == 1;
+            for (int64_t r = 0; r < rows; r++) {
+                float* row = s.qkv + r * qkv_n;
+                brisk_rms_norm(row, nullptr, L.q_norm, s.q + r * q_size, head ? d.heads : 1,
+                               head ? d.head_dim : q_size, d.eps);
+                brisk_rms_norm(row + q_size, nullptr, L.k_norm, s.attn, head ? d.kv_heads : 1,
+                               head ? d.head_dim : kv_size, d.eps);
+                std::memcpy(row + q_size, s.attn, kv_size * sizeof(float));
+            }
+            brisk_rope(s.q, q_size, cos, sin, rows, d.heads, d.head_dim, d.rot_dim);
+            brisk_rope(s.qkv + q_size, qkv_n, cos, sin, rows, d.kv_heads, d.head_dim, d.rot_dim);
+        } else {
+            brisk_rope(s.qkv, qkv_n, cos, sin, rows, d.heads + d.kv_heads, d.head_dim, d.rot_dim);
+            for (int64_t r = 0; r < rows; r++)
+                std::memcpy(s.q + r * q_size, s.qkv + r * qkv_n, q_size * sizeof(float));
+        }
         brisk_store_kv(s.qkv + q_size, s.qkv + q_size + kv_size, qkv_n, slots, L.k_cache, L.v_cache, L.k_scale,
                        L.v_scale, (int)d.kv_dtype, rows, d.kv_heads, d.head_dim);
-        for (int64_t r = 0; r < rows; r++) std::memcpy(s.q + r * q_size, s.qkv + r * qkv_n, q_size * sizeof(float));
         const int code = brisk_paged_decode_attention(s.q, L.k_cache, L.v_cache, (int)d.kv_dtype, L.k_scale,
                                                       L.v_scale, block_tables,
                                                       max_blocks, context_lens, rows, d.heads, d.kv_heads,
@@ -81,9 +99,13 @@ int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims
         if (code) return code;
         matmul(L.o, s.attn, rows, s, s.proj);
         brisk_rms_norm(s.proj, residual, L.post_norm, s.x, rows, d.hidden, d.eps);
-        matmul(L.gate_up, s.x, rows, s, s.gate_up);
-        brisk_silu_mul(s.gate_up, s.act, rows, d.inter);
-        matmul(L.down, s.act, rows, s, s.proj);
+        if (L.moe.router) {
+            if (brisk_moe_block(&L.moe, s.x, rows, s.proj)) return 4;  // decode_stack.py checked what it takes
+        } else {
+            matmul(L.gate_up, s.x, rows, s, s.gate_up);
+            brisk_silu_mul(s.gate_up, s.act, rows, d.inter);
+            matmul(L.down, s.act, rows, s, s.proj);
+        }
         const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
         brisk_rms_norm(s.proj, residual, next_norm, l + 1 < num_layers ? s.x : out, rows, d.hidden, d.eps);
     }

@@ -32,7 +32,7 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_ffn: int = 0
-    arch: str = "llama"  # the GGUF architecture: llama (Llama, Mistral; Mixtral with experts), qwen3moe
+    arch: str = "llama"  # the GGUF architecture: llama (Llama, Mistral; Mixtral with experts), qwen3, qwen3moe, olmoe
 
     @property
     def dim(self) -> int:
@@ -44,7 +44,11 @@ MISTRAL_7B = Shape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8)
 # Qwen3-30B-A3B's layer: 128 experts of 768, 8 per token, 32/4 heads x 128, q/k norms
 QWEN3_30B_A3B = Shape(hidden=2048, layers=48, ffn=6144, heads=32, kv_heads=4, context=4096, head_dim=128,
                       experts=128, experts_used=8, expert_ffn=768, arch="qwen3moe")
-SHAPES = {"tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# Qwen3-Embedding-0.6B's shape (a Qwen3 block, last-token pooling)
+QWEN3_EMBEDDING_06B = Shape(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, context=4096, head_dim=128,
+                            arch="qwen3")
+SHAPES = {"tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+          "qwen3-embedding-0.6b": QWEN3_EMBEDDING_06B}
 
 
 def _copy_tokenizer(writer, source_gguf: Path) -> int:
@@ -265,18 +269,23 @@ def _vectors(shape: Shape) -> dict[str, tuple[int, ...]]:
     for i in range(shape.layers):
         p = f"blk.{i}."
         vectors.update({p + "attn_norm.weight": (shape.hidden,), p + "ffn_norm.weight": (shape.hidden,)})
-        if shape.arch == "qwen3moe":
+        if shape.arch in ("qwen3", "qwen3moe"):  # per head
             vectors.update({p + "attn_q_norm.weight": (shape.dim,), p + "attn_k_norm.weight": (shape.dim,)})
+        elif shape.arch == "olmoe":  # over the whole projection
+            vectors.update({p + "attn_q_norm.weight": (shape.heads * shape.dim,),
+                            p + "attn_k_norm.weight": (shape.kv_heads * shape.dim,)})
         if shape.experts:
             vectors[p + "ffn_gate_inp.weight"] = (shape.experts, shape.hidden)
     return vectors
 
 
 def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from: Path | None, seed: int = 0,
-                      tied_embeddings: bool = False, small_vocab: int = 128) -> Path:
-    """A GGUF of `shape.arch` (llama, or qwen3moe) with random weights: every matrix in `tensor_type` (e.g. Q4_0,
-    Q8_0, F32, BF16: what `gguf.quants.quantize` writes; or Q2_K-Q6_K, IQ4_NL, IQ4_XS: this module's quantize_*),
-    norms in F32 (and routers, for experts). The tokenizer is copied from `tokenizer_from`, or (None) a
+                      tied_embeddings: bool = False, small_vocab: int = 128, pooling_type: int | None = None,
+                      random_norms: bool = False) -> Path:
+    """A GGUF of `shape.arch` (llama, qwen3, qwen3moe or olmoe) with random weights: every matrix in `tensor_type`
+    (e.g. Q4_0, Q8_0, F32, BF16: what `gguf.quants.quantize` writes; or Q2_K-Q6_K, IQ4_NL, IQ4_XS: this module's
+    quantize_*), norms in F32 (ones, or with `random_norms` around one, so that a test sees which norm is which;
+    and routers, for experts). The tokenizer is copied from `tokenizer_from`, or (None) a
     `small_vocab`-token one. A mix of `MIXES` (Q4_K_M, Q3_K_M) gives some tensors another type, as llama.cpp's mix
     does in every layer (its own choice bumps only some layers). Tensors are written as they are made (memory
     stays one tensor deep: a 30B-parameter shape writes in a few GB)."""
@@ -298,6 +307,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_ffn)
+    if pooling_type is not None:  # an embedding model, as llama.cpp's converter marks one (3: last-token pooling)
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
     writer.add_layer_norm_rms_eps(1e-5 if shape.arch == "llama" else 1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(vocab)
@@ -323,7 +334,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
     writer.write_ti_data_to_file()
     for name, dims, qtype in plan:
         if len(dims) == 1:  # norms
-            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            norm = 1 + 0.25 * rng.standard_normal(dims) if random_norms else np.ones(dims)
+            writer.write_tensor_data(norm.astype(np.float32))
             continue
         rows = [dims] if len(dims) == 2 else [dims[1:]] * dims[0]  # experts one at a time
         data = [_random_matrix(rng, rows_dims, qtype, name) for rows_dims in rows]
