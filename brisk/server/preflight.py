@@ -49,8 +49,10 @@ def model_config(source) -> dict[str, Any]:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise BriskError(f"{path}: cannot read the model config ({e})") from None
+    from brisk.config import ModelConfig
     from brisk.loading.checkpoint import checkpoint_files
 
+    ModelConfig.from_hf_dict(config, str(source.path))  # an architecture brisk cannot run, named before the weights
     checkpoint_files(Path(source.path))  # weights present (every shard of an index): before the port is bound
     return config
 
