@@ -88,6 +88,31 @@ def test_vectors_equal_transformers_pooled_and_normalised(embedder, source, bris
         assert abs(np.linalg.norm(item.embedding) - 1) < 1e-5
 
 
+def test_a_quantized_gguf_with_its_own_lm_head_embeds(embedder, tmp_path, brisk_cache):
+    """An embedding model whose file also holds an untied LM head (`output.weight`, here Q8_0 as the converter
+    writes it): the head is never read, and the model loads and pools as the float one does, up to Q8_0's
+    rounding (it failed: `lm_head.qweight belongs to a Identity`)."""
+    from transformers import Qwen3ForCausalLM
+
+    hf, folder, _ = embedder
+    untied = tmp_path / "untied"
+    shutil.copytree(folder, untied)
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    model = Qwen3ForCausalLM.from_pretrained(untied).eval()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn_like(model.lm_head.weight))
+    model.save_pretrained(untied)
+    gguf = convert_hf_to_gguf(untied, tmp_path / "untied-q8_0.gguf", outtype="q8_0")
+    loaded = load(str(gguf))
+    assert loaded.pooling is not None and loaded.pooling.mode == "last"
+    assert "lm_head" not in loaded.report.weight_formats
+    with serve_engine(make_engine(loaded)) as live:
+        data = live.openai().embeddings.create(model=MODEL, input=TEXTS).data
+    for text, item in zip(TEXTS, data):
+        assert _cosine_distance(item.embedding, _reference(hf, loaded.tokenizer, text)) < 2e-3, text
+
+
 @pytest.mark.parametrize("mode", ["mean", "cls"])
 def test_mean_and_cls_pooling_as_the_pooling_config_says(embedder, mode, tmp_path, brisk_cache):
     hf, folder, _ = embedder

@@ -132,7 +132,10 @@ def model_state(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, head: b
         del tensors[name]
     if "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:  # Qwen3Model (embeddings)
         tensors = {f"model.{n}": t for n, t in tensors.items()}
-    if cfg.tie_word_embeddings or not head:
+    if not head:  # an embedding model pools hidden states: a head in its file (any format) is never read
+        for name in [n for n in tensors if n.startswith("lm_head.")]:
+            del tensors[name]
+    elif cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     for i in range(cfg.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
