@@ -21,6 +21,7 @@ from live_server import serve_engine
 MODEL = "smollm2-135m-instruct"
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(15)]
 MAX_TOKENS = 24
+UNWRITABLE = "\U00040000"  # UTF-8 F1 80 80 80: the demo's byte-level vocabulary has no token for 0xF1
 
 
 class _Raises:
@@ -137,11 +138,18 @@ def test_one_requests_fault_fails_it_alone(faulty_server):
     baseline, _ = _run_all(live, [])
     assert all(baseline)
     faulty = [("fault:detokenizer", {}), ("fault:sampler", {}), ("fault:tool_parser", {}),
-              ("fault:grammar", {"guided_choice": ["Paris is lovely", "Paris is big"]})]
+              ("fault:grammar", {"guided_choice": ["Paris is lovely", "Paris is big"]}),
+              # no fault injected: a grammar needing a byte the demo vocabulary has no token for (0xF1)
+              ("unsatisfiable", {"guided_regex": f"(Paris|London) {UNWRITABLE}"})]
     texts, failures = _run_all(live, faulty)
     assert texts == baseline  # the 15 others, token for token
     for salt, text, error in failures:
         assert error is not None, f"{salt}: no error event"
+        if salt == "unsatisfiable":  # the request's grammar is at fault: a client error naming the field
+            assert error["code"] == "grammar_unsatisfiable" and error["param"] == "guided_regex", error
+            assert error["type"] == "invalid_request_error" and "cannot be met" in error["message"], error
+            assert text and any(alt.startswith(text) for alt in ("Paris ", "London ")), text
+            continue
         reason = "grammar_rejected" if salt == "fault:grammar" else "internal_error"
         assert error["code"] == reason, (salt, error)
         assert error["type"] == "server_error" and "chatcmpl-" in error["message"], (salt, error)
@@ -154,8 +162,14 @@ def test_one_requests_fault_fails_it_alone(faulty_server):
                                                     "cache_salt": "fault:detokenizer"})
         assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
         assert r.json()["error"]["message"].startswith("an internal error ended request chatcmpl-")
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4,
+                                               "guided_regex": f"(a|b){UNWRITABLE}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_unsatisfiable", r.text
+        assert r.json()["error"]["param"] == "guided_regex", r.text
+        metrics = http.get("/metrics").text
     assert _metric(metrics, "brisk:request_errors_total", 'reason="internal_error"') >= 3
     assert _metric(metrics, "brisk:request_errors_total", 'reason="grammar_rejected"') >= 1
+    assert _metric(metrics, "brisk:request_errors_total", 'reason="grammar_unsatisfiable"') >= 2
     stats = live.wait_idle()
     assert stats.kv_blocks_used == 0  # every failed request's blocks were freed
     texts, _ = _run_all(live, [])

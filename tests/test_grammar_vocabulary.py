@@ -1,7 +1,10 @@
 """The grammar's token mask and its consume step agree on every token of the vocabulary, added tokens
 included (issue 61): with a tokenizer whose `<think>` and `</think>` are added, non-special tokens (as in
 Qwen3), llguidance used to let `<think>` through the mask where a grammar forces the text "<think>" and
-then reject it, so a constrained reply ended after one token with nothing in it."""
+then reject it, so a constrained reply ended after one token with nothing in it. And with a vocabulary
+that cannot write every byte (the demo's has no token for 0xF1), a grammar forcing such a character was
+fast-forwarded to a wrong token, which the grammar then rejected (a 500 from the grammar fuzzer): now the
+mask stops before that character and the request ends as `grammar_unsatisfiable`."""
 
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ from brisk.engine.sampling_params import SamplingParams
 from brisk.structured.bitmask import allowed_tokens
 from brisk.structured.compiler import GrammarCompiler
 from brisk.structured.spec import GrammarSpec, choice_spec, json_spec
-from brisk.structured.vocabulary import text_added_tokens
+from brisk.structured.vocabulary import UTF8_BYTES, byte_tokens, text_added_tokens
 
 THINKING = r"<think>[a-z ]{3,30}</think>[A-Za-z ]{3,30}"
 VOCAB = 49160  # the demo vocabulary (49152), the two added tokens, and padding ids past the tokenizer
+UNWRITABLE = "\U00040000"  # UTF-8 F1 80 80 80: no token of the demo vocabulary is the byte 0xF1
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +80,59 @@ def test_every_token_the_mask_allows_is_consumed(compiler, spec):
             assert matcher.is_stopped() or matcher.is_accepting(), walk
 
 
+def test_the_demo_vocabulary_cannot_write_every_byte(demo):
+    """The premise of the tests below: some bytes UTF-8 uses have no token, and `tokenizers` drops a
+    character made of them without a word."""
+    import llguidance
+
+    fast = demo.tokenizer.fast
+    base = llguidance.LLTokenizer(fast.to_str(), n_vocab=demo.config.vocab_size, eos_token=[2])
+    assert 0xF1 in UTF8_BYTES - byte_tokens(base, demo.config.vocab_size).keys()
+    assert fast.decode(fast.encode(f"a{UNWRITABLE}b", add_special_tokens=False).ids) != f"a{UNWRITABLE}b"
+
+
+@pytest.fixture(scope="module")
+def demo_compiler(demo):
+    compiler = GrammarCompiler(demo.tokenizer.fast, demo.config.vocab_size, demo.tokenizer.eos_token_ids)
+    yield compiler
+    compiler.close()
+
+
+def test_a_grammar_that_starts_with_text_the_vocabulary_cannot_write_is_refused(demo_compiler):
+    """Caught before the request runs (a 400 naming the field): its first mask allows no token."""
+    from brisk.structured.limits import GrammarError
+
+    with pytest.raises(GrammarError, match="guided_choice: matches no text this model can write .*vocabulary"):
+        demo_compiler.compile(choice_spec([UNWRITABLE, f"{UNWRITABLE}x"], "guided_choice"))
+
+
+@pytest.mark.parametrize("spec, alternatives", [
+    (GrammarSpec("regex", f"(ab|cd){UNWRITABLE}e", "guided_regex"), ["ab", "cd"]),
+    (choice_spec([f"héllo {UNWRITABLE}", "wörld"], "guided_choice"), ["héllo ", "wörld"]),
+    (choice_spec(["héllo wörld ñ±ü", "x"], "guided_choice"), None)], ids=["regex", "choice", "writable"])
+def test_text_the_vocabulary_cannot_write_leaves_the_mask_empty(demo_compiler, demo, spec, alternatives):
+    """A grammar whose every way on needs a character the vocabulary cannot write: at every step each
+    token the mask allows is consumed (before the fix, the fast-forward allowed the token for 0x80 where
+    0xF1 was due), and once the character is forced no token is allowed (the matcher is in error: the
+    engine's `grammar_unsatisfiable`), before any of it is written. Text it can write is written whole."""
+    vocab = demo.config.vocab_size
+    matcher = demo_compiler.compile(spec).matcher()
+    written = []
+    for _ in range(32):
+        allowed = torch.nonzero(allowed_tokens(matcher, vocab)).flatten().tolist()
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        assert allowed and not [t for t in allowed if not matcher.deep_copy().consume_token(t)], allowed[:10]
+        assert matcher.consume_token(allowed[0])
+        written.append(allowed[0])
+    decoded = demo.tokenizer.decode(written)
+    if alternatives is None:
+        assert decoded == json.loads(spec.value)[0] and matcher.is_stopped() and not matcher.is_error()
+    else:
+        assert written and matcher.is_error(), (decoded, matcher.get_error())
+        assert any(alt.startswith(decoded) for alt in alternatives), decoded
+
+
 def test_a_forced_think_takes_the_added_token(compiler):
     """Where the grammar forces "<think>", the mask allows the added token that is that text (what the
     model would write), and consuming it moves the grammar on."""
@@ -121,3 +178,13 @@ def test_a_constrained_reply_writes_the_added_token_and_finishes(thinking_llm, s
     assert re.fullmatch(pattern, out.text), out.text
     if spec.kind == "regex":  # these force "<think>" first: its added token is the canonical way to write it
         assert out.token_ids[0] == 49152
+
+
+def test_a_grammar_the_vocabulary_cannot_write_ends_the_request_with_that_reason(thinking_llm):
+    """The engine's end: the request fails as grammar_unsatisfiable naming its field, not with a token the
+    grammar rejects nor a reply that looks complete."""
+    params = SamplingParams(temperature=0, max_tokens=20, grammar=thinking_llm.grammars.compile(
+        GrammarSpec("regex", f"(ok|no) {UNWRITABLE}", "guided_regex")))
+    out = thinking_llm.generate("Go.", params)[0]
+    assert out.finish_reason == "error" and out.error[0] == "grammar_unsatisfiable", (out.error, out.text)
+    assert out.error[2] == "guided_regex" and "cannot be met" in out.error[1]

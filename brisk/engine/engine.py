@@ -41,6 +41,19 @@ class RequestError(ParamError, BriskError):
 class GrammarRejectedError(RuntimeError):
     """A sampled token the request's grammar does not accept: the request cannot be continued."""
 
+    reason = "grammar_rejected"
+
+
+class GrammarUnsatisfiableError(GrammarRejectedError):
+    """No token of the vocabulary continues the request's grammar (it needs text the vocabulary cannot
+    write): the client's grammar cannot be met with this model."""
+
+    reason = "grammar_unsatisfiable"
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(message)
+        self.field = field
+
 
 @dataclass
 class _Pending:
@@ -253,13 +266,14 @@ class LLMEngine:
                 if rows > 1:
                     self._verified(request)
             except GrammarRejectedError as e:
-                outputs.append(self._fail(request, "grammar_rejected", str(e)))
+                outputs.append(self._fail(request, e.reason, str(e), getattr(e, "field", None)))
             except Exception as e:  # noqa: BLE001 - this request's own failure: it ends, the others go on
                 outputs.append(self._fail(request, "internal_error", e))
             row += rows
         return outputs
 
-    def _fail(self, request: Request, reason: str, error: BaseException | str) -> RequestOutput:
+    def _fail(self, request: Request, reason: str, error: BaseException | str,
+              param: str | None = None) -> RequestOutput:
         """End a request with an error its client sees (`reason`: internal_error, grammar_rejected), free its
         blocks, and log the traceback once."""
         if isinstance(error, BaseException):
@@ -270,7 +284,7 @@ class LLMEngine:
         else:
             log.warning("request %s failed (%s): %s", request.request_id, reason, error)
             message = f"request {request.request_id}: {error}"
-        request.error = (reason, message)
+        request.error = (reason, message, param)
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         self._forget(request.request_id)
         self.num_failed_requests[reason] = self.num_failed_requests.get(reason, 0) + 1
@@ -349,9 +363,18 @@ class LLMEngine:
     @staticmethod
     def _grammar_done(request: Request, token: int) -> bool:
         """Advance the sequence's grammar; True once it admits no further token (the output is complete).
-        A token the grammar rejects (its mask allowed it: a bug in the grammar library) raises
-        GrammarRejectedError: the request fails with that reason, never a reply that looks complete."""
+        A grammar no token continues (computing its mask put the matcher in error: the text it needs is
+        not writable with this vocabulary) raises GrammarUnsatisfiableError; a token the grammar rejects
+        although its mask allowed it (a bug in the grammar library) raises GrammarRejectedError. Either way
+        the request fails with that reason, never a reply that looks complete."""
         matcher = request.grammar
+        if matcher.is_error():
+            field = getattr(getattr(request.params.grammar, "spec", None), "field", None)
+            name = field or "the grammar"
+            raise GrammarUnsatisfiableError(
+                f"{name} cannot be met with this model: after {request.num_output_tokens - 1} generated "
+                f"tokens no token of its vocabulary continues it (it needs text the vocabulary cannot write); "
+                f"change {name} or use a model whose vocabulary writes that text", field)
         if not matcher.consume_token(token):
             why = (matcher.get_error() or "").strip().splitlines()
             raise GrammarRejectedError(f"the grammar rejected token {token}, which its own mask allowed"

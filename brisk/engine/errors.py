@@ -7,8 +7,9 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """One request ended by a failure of its own (its sampling, detokenizing, grammar or tool-call reader
-    raised): the engine goes on serving the others. `reason`: internal_error or grammar_rejected."""
+    raised): the engine goes on serving the others. `reason`: internal_error, grammar_rejected or
+    grammar_unsatisfiable."""
 
-    def __init__(self, request_id: str, reason: str, message: str):
+    def __init__(self, request_id: str, reason: str, message: str, param: str | None = None):
         super().__init__(message)
-        self.request_id, self.reason, self.message = request_id, reason, message
+        self.request_id, self.reason, self.message, self.param = request_id, reason, message, param

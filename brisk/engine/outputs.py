@@ -31,9 +31,10 @@ class RequestOutput:
     # known, e.g. made in another process); the server measures its delivery delay from it
     produced_at: float = 0.0
     text_offset: int = 0  # characters of text released before delta_text (always filled)
-    # finish_reason "error": (reason, message) of the failure that ended this request alone (reason:
-    # internal_error, grammar_rejected); its consumer raises RequestFailedError for it
-    error: tuple[str, str] | None = None
+    # finish_reason "error": (reason, message, param) of the failure that ended this request alone (reason:
+    # internal_error, grammar_rejected, grammar_unsatisfiable; param: the request field at fault, or None);
+    # its consumer raises RequestFailedError for it
+    error: tuple[str, str, str | None] | None = None
     # an embedding request's pooled final hidden state (SamplingParams.pooling), on its final output
     embedding: list[float] | None = None
 

@@ -72,7 +72,7 @@ class Request:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     detokenizer: Any = None
     stop_reason: str | int | None = None
-    error: tuple[str, str] | None = None  # (reason, message) of a request that ended with FINISHED_ERROR
+    error: tuple[str, str, str | None] | None = None  # (reason, message, param) of a request ended with FINISHED_ERROR
     grammar: Any = None  # this sequence's grammar matcher (structured outputs), or None
     tool_calls: Any = None  # this sequence's tool-call reader (SamplingParams.tool_plan), or None
     # Speculative decoding: this step's drafted tokens (verified by the target, never part of the

@@ -41,7 +41,7 @@ class ServerMetrics:
                                      ["outcome"], registry=r)
         self.aborts = Counter("brisk:request_aborts", "Requests ended early, by cause.", ["cause"], registry=r)
         self.request_errors = Counter("brisk:request_errors", "Requests ended by a failure of their own (the "
-                                      "others went on), by reason: internal_error, grammar_rejected.",
+                                      "others went on), by reason: internal_error, grammar_rejected, grammar_unsatisfiable.",
                                       ["reason"], registry=r)
         self.prompt_tokens = Counter("brisk:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("brisk:generation_tokens", "Generated tokens.", registry=r)
@@ -74,7 +74,7 @@ class ServerMetrics:
         for cause in ("client_disconnect", "timeout", "shutdown", "engine_error", "replica_lost", "error",
                       "request_error"):
             self.aborts.labels(cause)
-        for reason in ("internal_error", "grammar_rejected"):
+        for reason in ("internal_error", "grammar_rejected", "grammar_unsatisfiable"):
             self.request_errors.labels(reason)
         self._engine = _EngineCollector()
         r.register(self._engine)

@@ -252,7 +252,9 @@ def as_api_error(e: BaseException, request_id: str) -> tuple[APIError, str | Non
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine stopped: {e}; restart the server", code="engine_dead"), "engine_error"
     if isinstance(e, RequestFailedError):  # logged once, with its traceback, where it happened
-        return APIError(500, e.message, code=e.reason), "request_error"
+        # a grammar the model's vocabulary cannot meet is the request's to change; the rest are ours
+        status = 400 if e.reason == "grammar_unsatisfiable" else 500
+        return APIError(status, e.message, param=e.param, code=e.reason), "request_error"
     log.exception("request %s failed", request_id, exc_info=e)
     return APIError(500, f"internal server error in request {request_id}; the server log has the details",
                     code="internal_error"), "error"

@@ -35,7 +35,7 @@ class RunRecord:
         self.state.metrics.observe_finished(out.finish_reason, out.metrics)
 
     def failed(self, out: RequestOutput) -> None:
-        """An engine request ended by a failure of its own (its reason: internal_error, grammar_rejected)."""
+        """An engine request ended by a failure of its own (its reason: internal_error, grammar_rejected, grammar_unsatisfiable)."""
         self.state.metrics.request_errors.labels(out.error[0]).inc()
 
     # -- once the run is over -----------------------------------------------------------

@@ -209,8 +209,8 @@ def _check(tokenizer: Any, vocab_size: int, eos: list[int], message: dict) -> di
         return {"error": f"cannot be compiled: {short(matcher.get_error())}"}
     mask = matcher.compute_bitmask()
     if not matcher.is_accepting() and not _allows_a_text_token(mask, vocab_size, eos):
-        return {"error": "matches no text (an empty language, or a rule or $ref that only leads back to itself); "
-                         "fix the grammar"}
+        return {"error": "matches no text this model can write (an empty language, a rule or $ref that only "
+                         "leads back to itself, or characters its vocabulary has no tokens for); fix the grammar"}
     return {"grammar": source}
 
 
