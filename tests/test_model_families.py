@@ -90,7 +90,8 @@ class Built:
 @pytest.fixture(scope="module")
 def spm_dir(tmp_path_factory) -> Path:
     """A SentencePiece vocabulary with Gemma's special tokens and Gemma 2's real chat template."""
-    corpus = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    # fixed English text (the README as it stood at da625e8), so that editing the README changes no test vocabulary
+    corpus = (Path(__file__).resolve().parent / "data" / "sentencepiece_corpus.md").read_text(encoding="utf-8")
     corpus += "\n".join(["你好，世界。今天天气很好。", "Grüße aus Köln — naïve façade", "日本語のテキスト 🙂"] * 20)
     folder = train_sentencepiece(tmp_path_factory.mktemp("spm"), corpus)
     config = json.loads((folder / "tokenizer_config.json").read_text())

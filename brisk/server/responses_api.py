@@ -6,9 +6,9 @@ items: `reasoning`, `message` (output_text) and `function_call`, streamed as the
 SDK parses (response.created, .in_progress, .output_item.added, .content_part.added, .output_text.delta,
 .reasoning_text.delta, .function_call_arguments.delta, their .done events, response.completed with usage).
 
-State: `store` (OpenAI's default true) keeps a response in a bounded in-memory store (`ResponseStore`, the
-last --responses-store-size responses, lost on restart), so that `previous_response_id` continues it and
-`GET /v1/responses/{id}` returns it; `store: false` keeps nothing. `conversation` is refused (a 400 naming it).
+State: `store` (OpenAI's default true) keeps a response in a bounded in-memory store (`ResponseStore`: the
+last STORE_SIZE = 256 responses, least recently used dropped first, lost on restart), so that
+`previous_response_id` continues it and `GET /v1/responses/{id}` returns it; `store: false` keeps nothing. `conversation` is refused (a 400 naming it).
 """
 
 from __future__ import annotations
