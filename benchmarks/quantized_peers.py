@@ -27,7 +27,12 @@ llama-cpp-python sdist's vendored tree (see benchmarks/peers/run_peers.py):
     .venv/bin/python benchmarks/quantized_peers.py --llama-server PATH/build/bin/llama-server \\
         [--work DIR] [--types Q4_0,Q8_0,BF16,Q4_K_M,demo]
         [--systems brisk,brisk-gguf,brisk-f32,brisk-kv-bfloat16,llama-server]
-        [--concurrency 1,16,64] [--long-prompt 1000] [--shape tinyllama|mistral7b] [--llama-quantize PATH]
+        [--concurrency 1,16,64] [--long-prompt 1000] [--shape tinyllama|mistral7b|qwen3-30b-a3b]
+        [--llama-quantize PATH] [--brisk-kv-memory 1GiB]
+
+`--shape qwen3-30b-a3b`: Qwen3-30B-A3B's layer (hidden 2048, 48 layers, 128 experts of FFN 768 with 8 used, 32/4
+heads x 128, q/k norms); the script also prints the bytes of weights one decoded token reads (the experts used,
+not all 128) and the decode speed the read bandwidth allows for them.
 """
 
 from __future__ import annotations
@@ -120,7 +125,8 @@ def command(system: str, gguf: Path, port: int, args) -> list[str]:
         kv = ["--kv-cache-dtype", system.removeprefix("brisk-kv-")] if system.startswith("brisk-kv-") else []
         return [sys.executable, "-m", "brisk", "serve", str(source), "--port", str(port), "--served-model-name",
                 MODEL_ID, "--max-model-len", "2048", "--max-num-seqs", str(max(levels))] + \
-            (["--dtype", "float32"] if system == "brisk-f32" else []) + kv
+            (["--dtype", "float32"] if system == "brisk-f32" else []) + kv + \
+            (["--kv-cache-memory", args.brisk_kv_memory] if args.brisk_kv_memory else [])
     slots = max(levels)
     return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_ID,
             "--parallel", str(slots), "-c", str(slots * max(SLOT_CONTEXT, args.long_prompt + 64)),
@@ -205,6 +211,30 @@ def long_prompt_ttft(url: str, args, out: Path) -> float:
     return json.loads(out.read_text())["runs"][0]["median_ttft_ms"] / 1e3
 
 
+def active_bytes_per_token(gguf: Path) -> int:
+    """Weight bytes one decoded token reads: every tensor but the token embedding (one row), and of the stacked
+    expert tensors only the experts used per token (expert_used_count of expert_count)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def field(key: str) -> int | None:
+        f = reader.fields.get(f"{arch}.{key}")
+        return None if f is None else int(f.parts[-1][0])
+
+    experts, used = field("expert_count"), field("expert_used_count")
+    total = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            total += t.n_bytes // int(t.shape[-1])  # one row
+        elif "_exps." in t.name and experts:
+            total += t.n_bytes * used // experts
+        else:
+            total += t.n_bytes
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--llama-server", required=False, default=None, help="path of a native llama-server build")
@@ -214,8 +244,10 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--long-prompt", type=int, default=0,
                         help="also time the first token of a prompt of this many tokens, alone (prefill)")
-    parser.add_argument("--shape", default="tinyllama", choices=["tinyllama", "mistral7b"],
+    parser.add_argument("--shape", default="tinyllama", choices=["tinyllama", "mistral7b", "qwen3-30b-a3b"],
                         help="random-weight model shape (brisk.loading.gguf_random.SHAPES)")
+    parser.add_argument("--brisk-kv-memory", default=None,
+                        help="brisk's --kv-cache-memory (e.g. 1GiB: a large model leaves its default no room)")
     parser.add_argument("--llama-quantize", default=None,
                         help="path of llama.cpp's llama-quantize, for the K-quant types (Q4_K_M, ...)")
     args = parser.parse_args()
@@ -228,6 +260,10 @@ def main() -> None:
     levels = args.concurrency.split(",")
     rows = []
     for kind in args.types.split(","):
+        if kind != "demo":
+            active = active_bytes_per_token(model_path(kind, args.work, args.shape, args.llama_quantize))
+            print(f"{kind}: {active / 1e9:.2f} GB read per decoded token (active weights) -> at most "
+                  f"{bandwidth * 1e9 / active:.1f} tok/s at {bandwidth:.1f} GB/s", flush=True)
         for system in systems:
             rows.append(run_one(system, kind, args))
             print(rows[-1], flush=True)
