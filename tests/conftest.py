@@ -70,3 +70,28 @@ def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(report())
+
+
+# Modules `pytest -m 'not slow'` skips (make test and CI run everything). Besides those marked in their own
+# file (the Ray cluster, the fuzzers, the attack suite, the HF reference of the demo), these: each starts
+# servers or builds and compares whole models, and together they are most of the suite's ~20 minutes on 2 cores.
+SLOW_MODULES = {
+    "test_doctor.py",  # doctor runs against fake and real servers
+    "test_model_families.py",  # every family against transformers and llama.cpp, served and doctored
+    "test_engine_batching.py",  # 64 prompts alone, in waves and preempted, float32 and int4
+    "test_speculative.py",  # draft and n-gram speculation against plain decoding
+    "test_kvplan.py",  # plans checked against real engine runs
+    "test_server_api.py", "test_cli.py", "test_serve_process.py", "test_hardening.py", "test_bench.py",
+    "test_server_failures.py", "test_fault_isolation.py", "test_structured_outputs.py", "test_tool_calls.py",
+    "test_embeddings.py", "test_responses_api.py", "test_context_guard.py", "test_observability.py",
+    "test_top.py", "test_reasoning.py",  # live servers
+    "test_webui.py",  # a headless browser
+    "test_kv_dtypes.py", "test_moe.py", "test_gguf_tokenizers.py", "test_grammar_vocabulary.py",
+    "test_dequant.py",  # whole-model references
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
