@@ -419,6 +419,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # exact block count (tests, simulations)
     kv_cache_dtype: str = "auto"  # brisk/kv_dtype.py: auto, float32, bfloat16, float16, fp8(_e4m3/_e5m2), int8
+    kv_cache_dir: str | None = None  # the disk tier's folder (brisk/engine/kv_cache/disk_tier.py); None: no disk tier
+    kv_cache_disk_bytes: int = 16 * 2**30  # the disk tier's budget in that folder
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

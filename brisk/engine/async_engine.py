@@ -221,6 +221,10 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_deliver, [(outputs, tag, error)])
             self._streams.clear()
             self._drain_commands()
+            try:
+                self.engine.close()  # the disk tier writes what it has queued
+            except Exception:  # noqa: BLE001 - shutting down: say it, end anyway
+                log.exception("closing the engine failed")
 
     def _drain_commands(self) -> None:
         """Answer every queued command with the death error (the loop will never read them)."""

@@ -143,6 +143,27 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
+    def block_nbytes(self, block_size: int) -> int:
+        """Bytes of one block across every layer (K, V and their scales): what the disk tier stores."""
+        return sum(t[:, :block_size].numel() * t.element_size() for t in self._tensors())
+
+    def read_block(self, block_id: int, block_size: int) -> bytes:
+        """One block's bytes, every layer's K, V (and scales), in that order, as stored."""
+        rows = slice(block_id * block_size, (block_id + 1) * block_size)
+        return b"".join(t[:, rows].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in self._tensors())
+
+    def write_block(self, block_id: int, block_size: int, payload: bytes) -> None:
+        """The inverse of read_block: the block's bytes put back in place."""
+        if len(payload) != self.block_nbytes(block_size):
+            raise ValueError(f"a KV block is {self.block_nbytes(block_size)} bytes here, got {len(payload)}")
+        rows, at = slice(block_id * block_size, (block_id + 1) * block_size), 0
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for t in self._tensors():
+            target = t[:, rows]
+            n = target.numel() * t.element_size()
+            target.copy_(raw[at:at + n].view(t.dtype).view(target.shape).to(t.device))
+            at += n
+
     def resident_bytes(self) -> int | None:
         """How much of the pool is in memory now (pages are mapped on first write); None where
         the OS cannot say."""

@@ -11,8 +11,10 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from brisk.config import CacheConfig
+from brisk.engine.kv_cache.disk_tier import DiskTier, fingerprint
 from brisk.engine.kv_cache.manager import KVCacheManager
 from brisk.loading.memory_plan import available_memory
 from brisk.engine.model_runner import ModelRunner
@@ -97,6 +99,8 @@ class LLMEngine:
                      " (full-attention layers keep every block)")
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(loaded, self.num_blocks, bs, self.kv_dtype, seed, batch_invariant=batch_invariant)
+        self.disk = self._disk_tier()
+        self.kv.disk = self.disk
         if self.runner.batch_invariant:
             log.info("batch-invariant: greedy output depends on the request only, not on the batch or the "
                      "prefix cache (--no-batch-invariant: prompt chunks take SDPA instead)")
@@ -188,6 +192,39 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def _disk_tier(self) -> DiskTier | None:
+        """The KV disk tier, when --kv-cache-dir names a folder: its fingerprint covers the model's files (names,
+        sizes, times), its config, weight formats and dtype, the KV dtype and the block size."""
+        cache = self.cache_config
+        if cache.kv_cache_dir is None or not cache.enable_prefix_caching:
+            return None
+        loaded, folder = self.loaded, Path(self.loaded.model_dir)
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                       if f.is_file() and f.suffix in (".safetensors", ".gguf", ".json", ".bin", ".model"))
+        key = fingerprint(str(folder.resolve()), files, loaded.config, sorted(loaded.report.weight_formats.items()),
+                             str(loaded.dtype), self.kv_dtype.name, cache.block_size)
+        disk = DiskTier(cache.kv_cache_dir, key, cache.kv_cache_disk_bytes,
+                        self.runner.kv.block_nbytes(cache.block_size))
+        log.info("KV disk tier: %s (%.1f of %.1f GiB used, %d KB a block)", disk.folder, disk.disk_bytes() / 2**30,
+                 cache.kv_cache_disk_bytes / 2**30, disk.block_bytes // 1024)
+        return disk
+
+    def _sync_disk(self, before_forward: bool) -> None:
+        """Before the forward: copy the blocks read from disk into the pool. After it: hand the blocks the step
+        filled to the disk tier's writer (a copy of their bytes; the writing happens off this thread)."""
+        bs = self.cache_config.block_size
+        if before_forward:
+            for block_id, payload in self.kv.take_loads():
+                self.runner.kv.write_block(block_id, bs, payload)
+        else:
+            for block_id, block_hash in self.kv.take_written():
+                self.disk.put(block_hash, self.runner.kv.read_block(block_id, bs))
+
+    def close(self) -> None:
+        """Write out what the disk tier has queued (a drained shutdown keeps every computed block)."""
+        if self.disk is not None:
+            self.disk.close()
+
     # -- one step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule, run the model, sample, append. A failure in one request's own work (drafting,
@@ -201,7 +238,11 @@ class LLMEngine:
             return failed
         if self.drafter is not None:
             self.drafter.draft(out.chunks)
+        if self.disk is not None:
+            self._sync_disk(before_forward=True)
         rows = self.runner.execute(out.chunks)
+        if self.disk is not None:
+            self._sync_disk(before_forward=False)
         for chunk in out.chunks:  # before advance: num_computed_tokens is still where the chunk starts
             prompt_left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
             if prompt_left > 0:
@@ -448,5 +489,13 @@ class LLMEngine:
             spec_draft_tokens=self.spec_stats.num_drafted, spec_accepted_tokens=self.spec_stats.num_accepted,
             spec_acceptance_lengths=tuple(self.spec_stats.acceptance_lengths),
             kv_cache_bytes=self.runner.kv.nbytes, kv_cache_resident_bytes=self.runner.kv.resident_bytes() or 0,
-            kv_cache_dtype=self.kv_dtype.name,
+            kv_cache_dtype=self.kv_dtype.name, **self._disk_stats(),
         )
+
+    def _disk_stats(self) -> dict:
+        if self.disk is None:
+            return {}
+        d = self.disk.stats
+        return {"kv_disk_hits_tokens": self.kv.disk_hits_tokens, "kv_disk_blocks_read": d.hits,
+                "kv_disk_blocks_corrupt": d.corrupt, "kv_disk_blocks_written": d.written,
+                "kv_disk_blocks_not_written": d.dropped + d.write_errors}

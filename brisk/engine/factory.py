@@ -57,6 +57,12 @@ def add_engine_args(p) -> None:
                         "when the model computes in float32, else the model's dtype. fp8 = fp8_e4m3; int8 keeps "
                         "one scale per token and KV head (like llama.cpp's q8_0)")
     p.add_argument("--block-size", type=argtypes.positive, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    p.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="keep every full KV block of the prefix cache on disk in DIR as well, so that cached prompts "
+                        "survive a restart and are shared by servers of the same model on one machine (keyed by "
+                        "the model's files, the KV dtype and the block size); off by default")
+    p.add_argument("--kv-cache-disk-bytes", default="16GiB", metavar="SIZE",
+                   help="the most --kv-cache-dir holds, e.g. 16GiB (least recently used blocks go first)")
     p.add_argument("--max-num-seqs", type=argtypes.positive, default=SchedulerConfig.max_num_seqs,
                    help=f"sequences batched per step (default {SchedulerConfig.max_num_seqs})")
     p.add_argument("--max-num-batched-tokens", type=argtypes.positive,
@@ -130,9 +136,16 @@ def engine_configs(args: argparse.Namespace, max_model_len: int):
     try:
         memory = parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None
         fraction = {} if args.gpu_memory_utilization is None else {"kv_cache_fraction": args.gpu_memory_utilization}
+        disk = {}
+        if getattr(args, "kv_cache_dir", None):
+            try:
+                disk_bytes = parse_memory(args.kv_cache_disk_bytes)
+            except ValueError as e:
+                raise BriskError(f"--kv-cache-disk-bytes: {e}") from None
+            disk = {"kv_cache_dir": args.kv_cache_dir, "kv_cache_disk_bytes": disk_bytes}
         cache = CacheConfig(block_size=args.block_size, kv_cache_memory=memory,
                             enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                            **fraction)
+                            **fraction, **disk)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=max_model_len)
     except ValueError as e:

@@ -31,6 +31,13 @@ class EngineStats:
     kv_cache_bytes: int = 0
     kv_cache_resident_bytes: int = 0
     kv_cache_dtype: str = ""  # brisk/kv_dtype.py's name of the pool's element type
+    # the disk tier (--kv-cache-dir): prompt tokens found there, blocks read, refused (corrupt), written and
+    # not written (the write queue was full, or the disk failed); all 0 without one
+    kv_disk_hits_tokens: int = 0
+    kv_disk_blocks_read: int = 0
+    kv_disk_blocks_corrupt: int = 0
+    kv_disk_blocks_written: int = 0
+    kv_disk_blocks_not_written: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -162,6 +162,14 @@ class _EngineCollector:
             ("brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              lambda s: s.prefix_cache_hits_tokens),
             ("brisk:engine_steps", "Engine steps run.", lambda s: s.num_steps),
+            ("brisk:kv_disk_hits", "Prompt tokens whose KV blocks were read from the disk tier (--kv-cache-dir).",
+             lambda s: s.kv_disk_hits_tokens),
+            ("brisk:kv_disk_blocks_read", "KV blocks read from the disk tier.", lambda s: s.kv_disk_blocks_read),
+            ("brisk:kv_disk_blocks_corrupt", "Disk-tier files refused (checksum, length) and removed: a miss.",
+             lambda s: s.kv_disk_blocks_corrupt),
+            ("brisk:kv_disk_blocks_written", "KV blocks written to the disk tier.", lambda s: s.kv_disk_blocks_written),
+            ("brisk:kv_disk_blocks_not_written", "KV blocks not written to the disk tier (its queue full, or the disk "
+             "failed).", lambda s: s.kv_disk_blocks_not_written),
         ]
         for name, doc, value_of in counters:
             yield family(CounterMetricFamily, name, doc, value_of)

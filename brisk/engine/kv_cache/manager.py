@@ -3,13 +3,16 @@
 It answers "give this request slots for N more tokens" with the new blocks or with
 None when memory is full (a normal condition the scheduler handles by waiting or
 preempting), finds the longest cached prefix of a new request, registers full
-blocks in the prefix cache once computed, and frees a request's blocks.
+blocks in the prefix cache once computed, and frees a request's blocks. With a disk tier
+(disk_tier.py), a prefix continues past the pool's cached blocks with blocks read from disk: they get
+fresh blocks whose bytes the engine copies in before the step's forward (`take_loads`), and every full
+block computed is handed to the engine to write out (`take_written`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
 
 from brisk.engine.kv_cache.block_pool import BlockPool, KVBlock
 from brisk.engine.kv_cache.hashing import BlockHash, hash_full_blocks
@@ -26,7 +29,8 @@ class CacheableRequest(Protocol):
 @dataclass
 class PrefixHit:
     blocks: list[KVBlock]
-    num_tokens: int
+    num_tokens: int  # the pool's blocks and the disk's
+    loaded: list[tuple[BlockHash, bytes]] = field(default_factory=list)  # blocks after `blocks`, read from disk
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ WINDOW_FREED = KVBlock(block_id=0, ref_cnt=1)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, disk: Any = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -75,6 +79,12 @@ class KVCacheManager:
         self.req_num_window_freed: dict[str, int] = {}  # leading blocks freed out of the sliding window
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        # the disk tier (a DiskTier, or None): blocks read at admission wait in `_loads` for the engine
+        # to copy in; blocks registered in the prefix cache wait in `_written` to be written out
+        self.disk = disk if enable_prefix_caching else None
+        self.disk_hits_tokens = 0
+        self._loads: list[tuple[int, bytes]] = []
+        self._written: list[tuple[int, BlockHash]] = []
 
     def _hashes(self, request: CacheableRequest) -> list[BlockHash]:
         known = self.req_hashes.get(request.request_id)
@@ -91,12 +101,20 @@ class KVCacheManager:
         num_tokens = len(request.all_token_ids)
         max_blocks = (num_tokens - 1) // self.block_size
         blocks = []
-        for block_hash in self._hashes(request)[:max_blocks]:
+        hashes = self._hashes(request)[:max_blocks]
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        loaded = []
+        if self.disk is not None:
+            for block_hash in hashes[len(blocks):]:
+                payload = self.disk.get(block_hash)
+                if payload is None:
+                    break
+                loaded.append((block_hash, payload))
+        return PrefixHit(blocks, (len(blocks) + len(loaded)) * self.block_size, loaded)
 
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
                        prefix: PrefixHit | None = None) -> list[KVBlock] | None:
@@ -117,8 +135,14 @@ class KVCacheManager:
         if prefix is not None:  # admission: count the prefix-cache query once, when it succeeds
             self.prefix_queries_tokens += len(request.all_token_ids)
             self.prefix_hits_tokens += prefix.num_tokens
+            self.disk_hits_tokens += len(prefix.loaded) * self.block_size
         self.pool.touch(shared)
         new_blocks = self.pool.allocate(max(num_needed, 0)) or []
+        if prefix is not None and prefix.loaded:  # the first new blocks take the disk's bytes
+            for block, (block_hash, payload) in zip(new_blocks, prefix.loaded):
+                self.pool.cache(block, block_hash)
+                self._loads.append((block.block_id, payload))
+            self.req_num_cached_blocks[rid] = len(shared) + len(prefix.loaded)
         self.req_blocks[rid] = held + shared + new_blocks
         ids = self.req_block_ids.setdefault(rid, [])
         ids.extend(b.block_id for b in shared)
@@ -138,9 +162,24 @@ class KVCacheManager:
             return
         hashes = self._hashes(request)
         for i in range(done, num_full):
-            if blocks[i] is not WINDOW_FREED:
-                self.pool.cache(blocks[i], hashes[i])
+            block = blocks[i]
+            if block is not WINDOW_FREED and block.block_hash is None:
+                self.pool.cache(block, hashes[i])
+                if self.disk is not None and block.block_hash is not None:
+                    self._written.append((block.block_id, block.block_hash))
         self.req_num_cached_blocks[rid] = num_full
+
+    def take_loads(self) -> list[tuple[int, bytes]]:
+        """(block id, bytes) of the blocks read from disk since the last call: the engine copies them into the
+        pool before the step's forward (the requests admitted with them count those tokens as computed)."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def take_written(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the blocks registered since the last call: after the step's forward has
+        filled them, the engine copies their bytes out to the disk tier."""
+        written, self._written = self._written, []
+        return written
 
     def free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
         """With a sliding window W (every layer windowed): the next position computed is at least

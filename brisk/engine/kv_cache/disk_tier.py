@@ -1,0 +1,215 @@
+"""Full KV blocks on disk, so that a cached prefix outlives the process (issue 65's disk tier, first step).
+
+A block is named by the prefix cache's own key, the hash chain over its tokens and every token before
+it (and the request's cache_salt), inside a folder named by a fingerprint of everything that makes its
+bytes valid: the model's files, the weights' format, the KV dtype, the block size, the model's config
+(RoPE, windows) and this layout's version. A block of another model, salt or dtype can never be found.
+
+Files are written whole to a temporary name and renamed into place (a reader never sees a partial
+block; several processes may share one folder, and two writers of one block write the same bytes),
+and carry a checksum: a truncated, corrupt or foreign file is a miss and is removed. The folder's
+size is held under `max_bytes` by removing the least recently used files (reads refresh a file's
+time). Writes go through a bounded queue to one background thread: a step never waits for the disk
+to write; reads happen when the scheduler admits a request (a disk read of a few hundred KB per
+block, instead of recomputing it).
+
+Torch-free: the engine hands bytes in and takes bytes out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from brisk.errors import BriskError
+
+log = logging.getLogger("brisk.kv_disk")
+
+LAYOUT_VERSION = 1
+MAGIC = b"BRISKKV1"
+_HEADER = len(MAGIC) + 8 + 16  # magic, payload length, blake2b-128 of the payload
+SUFFIX = ".kvb"
+WRITE_QUEUE = 256  # blocks waiting to be written; past it a block is not written (counted)
+
+
+@dataclass
+class DiskTierStats:
+    hits: int = 0  # blocks found and read
+    misses: int = 0  # blocks looked for and not found (or unreadable)
+    corrupt: int = 0  # files found but refused (checksum, length, magic) and removed
+    written: int = 0
+    write_errors: int = 0
+    dropped: int = 0  # not written: the queue was full
+    evicted: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+def fingerprint(*parts: object) -> str:
+    """A folder name for everything that makes a block's bytes valid."""
+    h = hashlib.sha256(f"brisk-kv-layout-{LAYOUT_VERSION}".encode())
+    for part in parts:
+        h.update(b"\0" + repr(part).encode())
+    return h.hexdigest()[:32]
+
+
+class DiskTier:
+    def __init__(self, root: Path | str, fingerprint: str, max_bytes: int, block_bytes: int):
+        if max_bytes < block_bytes:
+            raise BriskError(f"--kv-cache-disk-bytes {max_bytes} holds not even one KV block ({block_bytes} bytes); "
+                             "give it more, or leave out --kv-cache-dir")
+        self.root = Path(root)
+        self.folder = self.root / fingerprint
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe = self.folder / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise BriskError(f"--kv-cache-dir {self.root}: cannot write there ({e.strerror or e}); pick a writable "
+                             "folder, or leave the flag out") from None
+        self.max_bytes = max_bytes
+        self.block_bytes = block_bytes
+        self.stats = DiskTierStats()
+        self._size = sum(self._sizes().values())
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(WRITE_QUEUE)
+        self._writer = threading.Thread(target=self._write_loop, name="brisk-kv-disk", daemon=True)
+        self._writer.start()
+
+    # -- reads (the scheduler's thread) --------------------------------------------------------
+    def path(self, block_hash: bytes) -> Path:
+        return self.folder / (block_hash.hex() + SUFFIX)
+
+    def get(self, block_hash: bytes) -> bytes | None:
+        """The block's bytes, or None (not there, or refused: the file is then removed)."""
+        path = self.path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self.stats.misses += 1
+            return None
+        payload = self._verified(data)
+        if payload is None:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            self._remove(path)
+            return None
+        try:
+            os.utime(path)  # recently used: evicted last
+        except OSError:
+            pass
+        self.stats.hits += 1
+        self.stats.bytes_read += len(payload)
+        return payload
+
+    def _verified(self, data: bytes) -> bytes | None:
+        if len(data) != _HEADER + self.block_bytes or not data.startswith(MAGIC):
+            return None
+        length = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
+        payload = data[_HEADER:]
+        if length != len(payload) or hashlib.blake2b(payload, digest_size=16).digest() != data[len(MAGIC) + 8:_HEADER]:
+            return None
+        return payload
+
+    # -- writes (a background thread) -------------------------------------------------------------
+    def put(self, block_hash: bytes, payload: bytes) -> None:
+        """Queue the block for writing (never blocks: a full queue drops it, counted)."""
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"a KV block is {self.block_bytes} bytes, got {len(payload)}")
+        try:
+            self._queue.put_nowait((block_hash, payload))
+        except queue.Full:
+            self.stats.dropped += 1
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (shutdown, tests)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(timeout=30)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except OSError as e:  # a full disk, a removed folder: a counted miss later, never a crash
+                self.stats.write_errors += 1
+                log.warning("KV block not written to %s: %s", self.folder, e.strerror or e)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes, payload: bytes) -> None:
+        path = self.path(block_hash)
+        if path.exists():
+            return
+        header = MAGIC + len(payload).to_bytes(8, "little") + hashlib.blake2b(payload, digest_size=16).digest()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+        finally:
+            if tmp.exists():
+                self._remove(tmp)
+        self.stats.written += 1
+        self.stats.bytes_written += len(payload)
+        with self._lock:
+            self._size += _HEADER + len(payload)
+            if self._size > self.max_bytes:
+                self._evict()
+
+    def _sizes(self) -> dict[Path, int]:
+        sizes = {}
+        for entry in os.scandir(self.folder):
+            if entry.name.endswith(SUFFIX):
+                try:
+                    sizes[Path(entry.path)] = entry.stat().st_size
+                except OSError:
+                    pass  # removed by another process meanwhile
+        return sizes
+
+    def _evict(self) -> None:
+        """Remove the least recently used files until the folder is under 90% of its budget (the folder as
+        it is on disk: other processes may have written to it too)."""
+        files = []
+        for entry in os.scandir(self.folder):
+            if entry.name.endswith(SUFFIX):
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue
+                files.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        target = int(self.max_bytes * 0.9)
+        for _, size, path in files:
+            if total <= target:
+                break
+            if self._remove(path):
+                self.stats.evicted += 1
+            total -= size
+        self._size = total
+
+    @staticmethod
+    def _remove(path: Path) -> bool:
+        try:
+            path.unlink()
+            return True
+        except OSError:
+            return False
+
+    def disk_bytes(self) -> int:
+        return sum(self._sizes().values())

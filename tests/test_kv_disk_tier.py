@@ -1,0 +1,180 @@
+"""The KV disk tier (--kv-cache-dir): cached prompts survive a restart of the engine, exactly.
+
+A "restart" here is a new engine on the same model and folder (what a new `brisk serve` process builds):
+its pool is empty, so every prefix it finds comes from disk. Greedy output with the prefix restored equals
+the output computed from scratch (brisk's batch-invariant path makes a restored prefix exact), blocks never
+cross cache_salt values nor KV dtypes, a corrupt or truncated file is a miss, and the folder stays in its
+byte budget."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from brisk.config import CacheConfig
+from brisk.engine.engine import LLMEngine
+from brisk.engine.kv_cache.disk_tier import DiskTier
+from brisk.engine.sampling_params import SamplingParams
+from brisk.engine.scheduler import SchedulerConfig
+from brisk.errors import BriskError
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SYSTEM = ("You are the support assistant of a bicycle shop. Answer in two sentences, cite the manual's section "
+          "and never invent part numbers. ") * 6
+
+
+def engine(demo, folder, kv_cache_dtype="auto", disk_bytes=2**30, prefix=True):
+    return LLMEngine(demo, CacheConfig(block_size=BLOCK, num_gpu_blocks_override=512, enable_prefix_caching=prefix,
+                                       kv_cache_dtype=kv_cache_dtype, kv_cache_dir=str(folder) if folder else None,
+                                       kv_cache_disk_bytes=disk_bytes),
+                     SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024))
+
+
+def prompt(demo, question):
+    return demo.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+
+
+def run(eng, prompts, salt=None):
+    """[(token ids, cached prompt tokens)] per prompt, all admitted at once."""
+    ids = [eng.add_request(p, GREEDY, cache_salt=salt) for p in prompts]
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [(done[i].token_ids, done[i].num_cached_prompt_tokens) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def cold(demo):
+    """Greedy outputs with no cache at all (no prefix caching, no disk)."""
+    eng = engine(demo, None, prefix=False)
+    return {q: run(eng, [prompt(demo, q)])[0][0] for q in ("Do you fix flat tyres?", "Where is my order?")}
+
+
+def test_a_restart_finds_the_prefix_on_disk_and_answers_as_if_cold(demo, cold, tmp_path):
+    first = engine(demo, tmp_path)
+    (tokens, cached), = run(first, [prompt(demo, "Do you fix flat tyres?")])
+    assert tokens == cold["Do you fix flat tyres?"] and cached == 0
+    first.close()  # what a drained shutdown does: every queued block written
+    assert first.disk.stats.written > 0 and first.disk.stats.write_errors == 0
+
+    second = engine(demo, tmp_path)  # a new process: an empty pool
+    p = prompt(demo, "Where is my order?")
+    (tokens, cached), = run(second, [p])
+    shared = len(SYSTEM) // 8  # ~the system prompt's tokens; at least that much comes from disk
+    assert cached >= shared and cached % BLOCK == 0 and cached < len(p), (cached, len(p))
+    assert second.disk.stats.hits == cached // BLOCK
+    assert second.kv.disk_hits_tokens == cached
+    assert tokens == cold["Where is my order?"]  # the restored prefix gives the same greedy tokens
+    second.close()
+
+
+def test_blocks_never_cross_salts_or_kv_dtypes(demo, tmp_path):
+    p = prompt(demo, "Do you fix flat tyres?")
+    first = engine(demo, tmp_path, kv_cache_dtype="float32")
+    run(first, [p], salt="tenant-a")
+    first.close()
+    other_salt = engine(demo, tmp_path, kv_cache_dtype="float32")
+    assert run(other_salt, [p], salt="tenant-b")[0][1] == 0
+    assert run(other_salt, [p], salt="tenant-a")[0][1] > 0  # (the same salt does find them)
+    other_salt.close()
+    other_dtype = engine(demo, tmp_path, kv_cache_dtype="int8")  # another fingerprint: another folder
+    assert other_dtype.disk.folder != other_salt.disk.folder
+    assert run(other_dtype, [p], salt="tenant-a")[0][1] == 0
+    other_dtype.close()
+
+
+def test_a_corrupt_or_truncated_block_is_a_miss_and_is_removed(demo, cold, tmp_path):
+    first = engine(demo, tmp_path)
+    run(first, [prompt(demo, "Do you fix flat tyres?")])
+    first.close()
+    files = sorted(first.disk.folder.glob("*.kvb"), key=lambda f: f.stat().st_mtime_ns)
+    assert len(files) >= 4
+    data = bytearray(files[1].read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit in a payload
+    files[1].write_bytes(bytes(data))
+    files[2].write_bytes(files[2].read_bytes()[:100])  # a truncated write
+    second = engine(demo, tmp_path)
+    (tokens, _), = run(second, [prompt(demo, "Where is my order?")])
+    assert tokens == cold["Where is my order?"]  # never a wrong token
+    second.close()
+    assert second.disk.stats.corrupt == 1 and second.disk.stats.hits == 1  # the chain stops at the bad block
+    # the bad file was removed, the block recomputed and written whole again
+    assert second.disk.get(bytes.fromhex(files[1].stem)) is not None
+    third = engine(demo, tmp_path)  # the truncated one is found next time: a miss too, and rewritten
+    (tokens, cached), = run(third, [prompt(demo, "Where is my order?")])
+    assert tokens == cold["Where is my order?"] and third.disk.stats.corrupt == 1 and cached == 2 * BLOCK
+    third.close()
+
+
+def test_the_folder_stays_within_its_budget(demo, tmp_path):
+    probe = engine(demo, tmp_path / "probe")
+    block = probe.disk.block_bytes
+    probe.close()
+    budget = 6 * (block + 64)
+    eng = engine(demo, tmp_path / "small", disk_bytes=budget)
+    prompts = [prompt(demo, f"Question number {i}: what about wheel {i}?") for i in range(4)]
+    run(eng, prompts)
+    eng.disk.flush()
+    assert eng.disk.stats.written > 6 and eng.disk.stats.evicted > 0
+    assert eng.disk.disk_bytes() <= budget
+    eng.close()
+
+
+def test_a_folder_that_cannot_be_written_is_one_clear_error(tmp_path):
+    """(A folder under a file: root ignores mode bits, not this.)"""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(BriskError, match="--kv-cache-dir .*cannot write there"):
+        DiskTier(blocker / "kv", "x", 2**20, 1024)
+    with pytest.raises(BriskError, match="holds not even one KV block"):
+        DiskTier(tmp_path / "tiny", "x", 100, 1024)
+
+
+def test_brisk_serve_keeps_its_cached_prompts_across_a_sigterm_restart(demo, tmp_path):
+    """The whole path: `brisk serve --kv-cache-dir`, a chat with a long system prompt, SIGTERM (the drain writes
+    what is queued), a new process on the same folder: the same chat's prompt now comes mostly from disk
+    (usage.prompt_tokens_details.cached_tokens, brisk:kv_disk_hits in /metrics), and the greedy reply is the
+    same text."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from test_serve_process import free_port, wait_for
+
+    messages = [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": "Do you fix flat tyres?"}]
+
+    def serve_once() -> tuple[str, int, str]:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "brisk", "serve", "--port", str(port), "--max-model-len", "2048",
+                                 "--kv-cache-memory", "128MiB", "--kv-cache-dir", str(tmp_path / "kv")],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(url, "/ready", lambda r: r.status_code == 200, timeout_s=120)
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "messages": messages, "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            proc.send_signal(signal.SIGTERM)
+            log, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, log[-2000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        body = r.json()
+        hits = next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("brisk:kv_disk_hits_total"))
+        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"], hits
+
+    text, cached, hits = serve_once()
+    assert cached == 0 and hits == 0
+    again, cached, hits = serve_once()
+    assert again == text
+    assert cached >= 300 and hits == cached, (cached, hits)
