@@ -88,6 +88,7 @@ SLOW_MODULES = {
     "test_webui.py",  # a headless browser
     "test_kv_dtypes.py", "test_moe.py", "test_gguf_tokenizers.py", "test_grammar_vocabulary.py",
     "test_dequant.py",  # whole-model references
+    "test_kv_disk_tier.py",  # engines restarted on a disk tier, and brisk serve across SIGTERM
 }
 
 
