@@ -58,7 +58,7 @@ def llg_tokenizer(fast: Any, vocab_size: int, eos_token_ids: list[int] | tuple[i
     text_tokens = {i for i in text_added_tokens(fast) if i < vocab_size and base.is_special_token(i)}
     if not text_tokens and UTF8_BYTES <= byte_tokens(base, vocab_size).keys():
         return base
-    vocabulary = _Vocabulary(fast, base, vocab_size, text_tokens, eos)
+    vocabulary = _Vocabulary(base, vocab_size, text_tokens, eos)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary), n_vocab=vocab_size, eos_token=eos)
 
 
@@ -70,7 +70,7 @@ class _Vocabulary:
     """What llguidance's TokenizerWrapper reads: each token's bytes, which ids are special, and a tokenize
     step (for the forced bytes) whose tokens always spell exactly its input."""
 
-    def __init__(self, fast: Any, base: Any, vocab_size: int, text_tokens: set[int], eos: list[int]):
+    def __init__(self, base: Any, vocab_size: int, text_tokens: set[int], eos: list[int]):
         self._base = base
         self.eos_token_id = eos[0] if eos else None
         self.bos_token_id = None
