@@ -178,3 +178,19 @@ def test_brisk_serve_keeps_its_cached_prompts_across_a_sigterm_restart(demo, tmp
     again, cached, hits = serve_once()
     assert again == text
     assert cached >= 300 and hits == cached, (cached, hits)
+
+
+def test_brisk_serve_with_an_unwritable_folder_is_one_line_before_anything_loads(tmp_path):
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    from test_serve_process import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "brisk", "serve", "--port", str(free_port()), "--kv-cache-dir",
+                           str(blocker / "kv")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("brisk: error: --kv-cache-dir") and "cannot write there" in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr and "listening" not in proc.stderr  # pre-flight: before the port is bound

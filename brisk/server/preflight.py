@@ -172,6 +172,10 @@ def preflight(args: argparse.Namespace, bind_port: bool = True) -> Preflight:
     ModelConfig.from_hf_dict(config, str(source.path))  # an architecture brisk cannot run: one line, now
     window, max_model_len = check_window(args, config, str(source.path))
     check_kv_budget(args, config, max_model_len, str(source.path))
+    if getattr(args, "kv_cache_dir", None):  # an unwritable folder: one line now, not after the load
+        from brisk.engine.kv_cache.disk_tier import check_folder
+
+        check_folder(args.kv_cache_dir)
     from brisk.engine.factory import speculative_config
 
     speculative_config(args)

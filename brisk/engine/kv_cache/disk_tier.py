@@ -50,6 +50,20 @@ class DiskTierStats:
     bytes_written: int = 0
 
 
+def check_folder(folder: Path | str, flag_value: Path | str | None = None) -> None:
+    """Create `folder` if needed and prove it writable; BriskError naming --kv-cache-dir otherwise (pre-flight
+    calls it before anything loads, the tier again for its own subfolder)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise BriskError(f"--kv-cache-dir {flag_value or folder}: cannot write there ({e.strerror or e}); pick a "
+                         "writable folder, or leave the flag out") from None
+
+
 def fingerprint(*parts: object) -> str:
     """A folder name for everything that makes a block's bytes valid."""
     h = hashlib.sha256(f"brisk-kv-layout-{LAYOUT_VERSION}".encode())
@@ -65,14 +79,7 @@ class DiskTier:
                              "give it more, or leave out --kv-cache-dir")
         self.root = Path(root)
         self.folder = self.root / fingerprint
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise BriskError(f"--kv-cache-dir {self.root}: cannot write there ({e.strerror or e}); pick a writable "
-                             "folder, or leave the flag out") from None
+        check_folder(self.folder, self.root)
         self.max_bytes = max_bytes
         self.block_bytes = block_bytes
         self.stats = DiskTierStats()
