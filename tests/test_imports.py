@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "brisk"
 # bottom to top; a unit is a subpackage (brisk.engine) or a top-level module (brisk.cli)
 FLOORS = [
     {"brisk", "brisk.errors", "brisk.switches", "brisk.kv_dtype", "brisk.argtypes", "brisk.fileio", "brisk.cache_dir", "brisk.progress", "brisk.trace",
-     "brisk.loop_lag", "brisk.plotting", "brisk.families", "brisk.config"},
+     "brisk.loop_lag", "brisk.plotting", "brisk.families", "brisk.config", "brisk.text"},
     {"brisk.kernels", "brisk.tokenizer", "brisk.structured"},
     {"brisk.models"},
     {"brisk.loading"},

@@ -18,7 +18,7 @@ from brisk.engine.kv_cache.disk_tier import DiskTier, fingerprint
 from brisk.engine.kv_cache.manager import KVCacheManager
 from brisk.loading.memory_plan import available_memory
 from brisk.engine.model_runner import ModelRunner
-from brisk.engine.outputs import RequestOutput, find_stop, held_back_length, stop_window
+from brisk.engine.outputs import RequestOutput, find_stop, stop_window
 from brisk.engine.request import Request, RequestStatus
 from brisk.engine.sampling_params import SamplingParams
 from brisk.engine.scheduler import Scheduler, SchedulerConfig
@@ -28,6 +28,7 @@ from brisk.engine.stats import EngineStats, SpecStats
 from brisk.errors import BriskError, ParamError
 from brisk.kv_dtype import resolve as resolve_kv_dtype
 from brisk.loading.loader import LoadedModel
+from brisk.text import held_back_length
 from brisk.structured.tools import ToolCallParser
 
 log = logging.getLogger("brisk.engine")

@@ -52,14 +52,3 @@ def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] 
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best
-
-
-def held_back_length(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that could still grow into a stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest

@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from brisk.structured.tools import ToolCall, ToolDelta
+from brisk.text import held_back_length
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
@@ -49,17 +50,6 @@ class HarmonyStep:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolDelta] = field(default_factory=list)
-
-
-def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is the start of one of `markers` (held until it is known)."""
-    longest = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:n]):
-                longest = n
-                break
-    return longest
 
 
 class HarmonyParser:
@@ -130,7 +120,7 @@ class HarmonyParser:
         ends = [(self._buffer.find(marker), marker) for marker in BODY_ENDS]
         found = [(at, marker) for at, marker in ends if at != -1]
         if not found:
-            keep = _held_suffix(self._buffer, BODY_ENDS)
+            keep = held_back_length(self._buffer, BODY_ENDS)
             self._emit(self._buffer[:len(self._buffer) - keep], step)
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
