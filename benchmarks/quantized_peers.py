@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--long-prompt", type=int, default=0,
                         help="also time the first token of a prompt of this many tokens, alone (prefill)")
-    parser.add_argument("--shape", default="tinyllama", choices=["tinyllama", "mistral7b", "qwen3-30b-a3b"],
+    parser.add_argument("--shape", default="tinyllama", choices=["tinyllama", "mistral7b", "qwen3-30b-a3b", "gpt-oss-20b"],
                         help="random-weight model shape (brisk.loading.gguf_random.SHAPES)")
     parser.add_argument("--brisk-kv-memory", default=None,
                         help="brisk's --kv-cache-memory (e.g. 1GiB: a large model leaves its default no room)")

@@ -48,6 +48,12 @@ class MoeConfig:
     norm_topk_prob: bool
     layers: tuple[int, ...]  # the layers whose MLP is the expert layer (the others are dense)
     shared_expert_intermediate_size: int | None = None
+    # gpt-oss (Experts.oai): the router's top k logits softmaxed (not a softmax's top k), biases on the router
+    # and on every expert projection, and the clamped SwiGLU: gate clamped above at swiglu_limit, up clamped to
+    # +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    oai: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class ModelConfig:
     sliding_rope: RopeConfig | None = None  # RoPE of the sliding-window layers, when it differs (Gemma 3)
     nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3)
     moe: MoeConfig | None = None  # the expert layers of a mixture of experts (None: every MLP is dense)
+    o_bias: bool = False  # the attention's output projection has a bias (attention_bias: Llama's and gpt-oss's)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax, attending to nothing (gpt-oss)
 
     @property
     def kv_window(self) -> int | None:
@@ -118,8 +126,8 @@ class ModelConfig:
         """Llama's block, with q/k norms and routed experts allowed (what brisk's compiled decode stack runs):
         the other families' extras off, and no shared expert."""
         return (self.hidden_act == "silu" and not self.sandwich_norms and self.attn_softcap is None
-                and self.sliding_rope is None and not self.nope_layers
-                and (self.moe is None or not self.moe.shared_expert_intermediate_size))
+                and self.sliding_rope is None and not self.nope_layers and not self.o_bias and not self.attention_sinks
+                and (self.moe is None or not (self.moe.shared_expert_intermediate_size or self.moe.oai)))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
@@ -128,7 +136,8 @@ class ModelConfig:
         """(total, active per token) parameters of the weight matrices, embeddings and norms: a mixture of
         experts reads only its k routed experts' weights per token (the load report names both)."""
         h, layers = self.hidden_size, self.num_layers
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + (self.q_size + 2 * self.kv_size) * self.qkv_bias
+        attn = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h + (self.q_size + 2 * self.kv_size) * self.qkv_bias
+                + h * self.o_bias + self.num_heads * self.attention_sinks)
         dense_mlp = 3 * h * self.intermediate_size
         total = active = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         for i in range(layers):
@@ -217,6 +226,8 @@ class ModelConfig:
             final_softcap=_optional_float(d.get("final_logit_softcapping")),
             sliding_rope=sliding_rope if windows and any(w is not None for w in windows) else None,
             nope_layers=_nope_layers(d, family, num_layers, source),
+            o_bias=bool(d.get("attention_bias", False)),
+            attention_sinks=family.attention_sinks,
         )
 
 
@@ -268,7 +279,10 @@ def _moe_from_hf(d: dict[str, Any], family: Family, num_layers: int, source: str
     if spec.shared_expert:
         shared = _positive_int(d, ("shared_expert_intermediate_size",), source)
     size_keys = ("moe_intermediate_size", "intermediate_size") if family.model_type != "mixtral" else ("intermediate_size",)
-    return MoeConfig(num_experts, per_token, _positive_int(d, size_keys, source), norm, layers, shared)
+    oai = {}
+    if spec.oai:
+        oai = dict(oai=True, swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)))
+    return MoeConfig(num_experts, per_token, _positive_int(d, size_keys, source), norm, layers, shared, **oai)
 
 
 def _optional_float(value: Any) -> float | None:

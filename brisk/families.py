@@ -30,6 +30,10 @@ class Experts:
     gguf_norm_topk: bool = True
     shared_expert: bool = False  # Qwen2-MoE: a dense expert every token takes, times sigmoid(shared_expert_gate)
     sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers pick the MoE layers (Qwen2/3-MoE)
+    # gpt-oss: the router (`mlp.router`, with a bias) keeps the top k logits and softmaxes those; every expert
+    # projection has a bias; the gate is the clamped SwiGLU (swiglu_limit, swiglu_alpha); transformers stores
+    # the experts transposed ([E, in, out]) with gate and up interleaved column by column
+    oai: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Family:
     experts: Experts | None = None
     nope_layers: bool = False  # some layers apply no RoPE (no_rope_layers; SmolLM3)
     local_rope_key: str | None = None  # the sliding layers' RoPE base (Gemma 3: rope_local_base_freq)
+    attention_sinks: bool = False  # a learned logit per head joins every softmax (gpt-oss's `sinks`)
     # -- what its config class assumes for keys config.json leaves out --
     defaults: tuple[tuple[str, Any], ...] = ()
     window_default: int | None = None  # sliding_window when the key is absent (Mistral, Qwen2/3, Gemma 2/3: 4096)
@@ -144,6 +149,16 @@ def _phi3_keys(key: KeyReader, config: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
+GPT_OSS_SWIGLU = (1.702, 7.0)  # llama.cpp's constants for gpt-oss's clamped SwiGLU (alpha, limit): its GGUF stores none
+
+
+def _gpt_oss_keys(key: KeyReader, config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biases on the attention, and the clamped SwiGLU's constants (llama.cpp's: its GGUF stores none).
+    YaRN comes from the generic rope.scaling keys and truncates its ramp as llama.cpp does (HF's gpt-oss config
+    says truncate false: the two differ by a few frequencies' ramp; a GGUF runs as llama.cpp runs it)."""
+    return {"attention_bias": True, "swiglu_alpha": GPT_OSS_SWIGLU[0], "swiglu_limit": GPT_OSS_SWIGLU[1]}
+
+
 def expert_keys(family: "Family", key: KeyReader, config: dict[str, Any]) -> dict[str, Any]:
     """An MoE family's GGUF expert metadata as its config.json spells it."""
     experts = family.experts
@@ -188,6 +203,13 @@ RECORDS = (
            sliding_layers=_slide_past_max_window_layers,
            experts=Experts(gguf_norm_topk=False, shared_expert=True, **_QWEN_MOE_EXPERTS)),
     Family("OlmoeForCausalLM", "olmoe", "olmoe", qk_norm="full", experts=Experts(gguf_norm_topk=False)),
+    Family("GptOssForCausalLM", "gpt_oss", "gpt-oss", attention_sinks=True, sliding_layers=_every_other,
+           defaults=(("attention_bias", True), ("sliding_window", 128), ("swiglu_alpha", GPT_OSS_SWIGLU[0]),
+                     ("swiglu_limit", GPT_OSS_SWIGLU[1]), ("rms_norm_eps", 1e-5), ("rope_theta", 150000.0),
+                     ("rope_scaling", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "truncate": False, "original_max_position_embeddings": 4096})),
+           gguf_keys=_gpt_oss_keys, gguf_tensors="oai", gguf_sliding_pattern=2,
+           experts=Experts(module="mlp", norm_topk_key=None, norm_topk_default=True, gguf_norm_topk=True, oai=True)),
 )
 
 FAMILIES: dict[str, Family] = {f.hf_architecture: f for f in RECORDS}
@@ -198,8 +220,6 @@ UNSUPPORTED = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-head latent attention (MLA)",
     "DeepseekV3ForCausalLM": "DeepSeek-V3's multi-head latent attention (MLA) and grouped sigmoid routing",
     "deepseek2": "DeepSeek-V2/V3's multi-head latent attention (MLA)",
-    "GptOssForCausalLM": "gpt-oss (MXFP4 experts, attention sinks)",
-    "gpt-oss": "gpt-oss (MXFP4 experts, attention sinks)",
     "Glm4MoeForCausalLM": "GLM-4.5's sigmoid routing with expert groups", "glm4moe": "GLM-4.5's sigmoid routing",
     "Qwen3NextForCausalLM": "Qwen3-Next's linear attention", "qwen3next": "Qwen3-Next's linear attention",
     "PhimoeForCausalLM": "Phi-MoE's sparsemixer routing", "JambaForCausalLM": "Jamba's Mamba layers",

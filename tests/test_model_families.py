@@ -77,6 +77,14 @@ FAMILIES = {
     # OLMoE's heads are all key/value heads (llama.cpp's olmoe takes no GQA: its k_norm spans the hidden size)
     "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, num_key_value_heads=4,
                                                              intermediate_size=32, rms_norm_eps=1e-5)),
+    # gpt-oss: sinks, every other layer sliding (window 16 < the prompt), YaRN past a 32-token original context
+    # (its ramp truncated, as llama.cpp always computes it: the Hub's truncate false is test_gpt_oss's), biases
+    # everywhere, the clamped SwiGLU at llama.cpp's constant limit (7, which experts of scale 2 reach), the
+    # top-k-then-softmax router
+    "gptoss": Family("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 32})),
 }
 
 
@@ -137,8 +145,12 @@ def _build(name: str, family: Family, root: Path, demo, spm_dir: Path) -> Built:
         for param_name, param in hf.named_parameters():
             if "norm" in param_name:  # random norms: a missed (1 + w) or a swapped norm shows
                 param.normal_(0.0, 0.3)
-            elif param_name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            elif param_name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight", ".mlp.router.weight")):
                 param.normal_(0.0, 0.5)  # routers that choose clearly (no near-ties between experts)
+            elif param_name.endswith(("sinks", "_bias", ".bias")):  # gpt-oss's sinks and biases (zeros at init)
+                param.normal_(0.0, 0.5)
+            elif param_name.endswith("experts.gate_up_proj"):  # gpt-oss: gates past the clamp's limit
+                param.normal_(0.0, 2.0)
     hf.save_pretrained(hf_dir)
     return Built(hf, hf_dir, convert_hf_to_gguf(hf_dir, root / f"{name}-f32.gguf"))
 
@@ -287,3 +299,4 @@ def test_qwen3_moe_thinks_through_the_qwen3_reasoning_parser(built):
                 streamed["content"] += c.delta.content or ""
                 streamed["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
         assert streamed == {"reasoning_content": reasoning, "content": whole.content}
+

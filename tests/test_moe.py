@@ -29,11 +29,11 @@ from brisk.models.simple_cache import SingleSequenceCache
 # rows of whole 256s (K-quants' super-blocks); 8 experts of 256, 2 a token; Qwen3-MoE's block (q/k norms)
 MOE = Shape(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, context=128, head_dim=64, experts=8,
             experts_used=2, expert_ffn=256, arch="qwen3moe")
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "IQ4_NL", "IQ4_XS", "BF16"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "IQ4_NL", "IQ4_XS", "MXFP4", "BF16"]
 # each type's bits a weight as brisk keeps it, and as the GGUF stores it
 BITS = {"Q4_0": (4.5, 4.5), "Q4_1": (5.0, 5.0), "Q8_0": (8.5, 8.5), "Q2_K": (2.625, 2.625), "Q3_K": (3.5625, 3.4375),
         "Q4_K": (4.625, 4.5), "Q5_K": (5.625, 5.5), "Q6_K": (6.5625, 6.5625), "IQ4_NL": (4.5, 4.5),
-        "IQ4_XS": (4.3125, 4.25), "BF16": (16.0, 16.0)}
+        "IQ4_XS": (4.3125, 4.25), "MXFP4": (4.25, 4.25), "BF16": (16.0, 16.0)}
 
 
 @pytest.fixture(scope="module", params=TYPES)

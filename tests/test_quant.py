@@ -303,38 +303,48 @@ def test_k_quant_kernel_computes_gguf_weights_on_every_path(isa, qtype, k):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-IQ4_TYPES = {"IQ4_NL": 4.5, "IQ4_XS": 4.3125}  # kept as stored -> bits a weight (the files': 4.5, 4.25)
+# codebook types kept as stored -> bits a weight (the files': 4.5, 4.25, 4.25). MXFP4: gpt-oss's experts
+IQ4_TYPES = {"IQ4_NL": 4.5, "IQ4_XS": 4.3125, "MXFP4": 4.25}
+CODEBOOK_BITS = {"IQ4_NL": kernels.IQ4, "IQ4_XS": kernels.IQ4, "MXFP4": kernels.MXFP4}
 
 
-def _iq4(qtype, rows, cols, seed):
-    """Random GGUF IQ4 weights [rows, cols] and brisk's tiled arrays of them: (raw, (qweight, scales, None),
-    subscales or None, the stored codebook)."""
+def _iq4(qtype, rows, cols, seed, every_exponent=False):
+    """Random GGUF IQ4 (or MXFP4) weights [rows, cols] and brisk's tiled arrays of them: (raw, (qweight, scales,
+    None), subscales or None, the stored codebook). MXFP4's random scale bytes span all 256 exponents."""
     raw = _random_blocks(qtype, rows * cols // gguf.GGML_QUANT_SIZES[QT[qtype]][0],
                          np.random.default_rng(seed)).reshape(rows, -1)
+    if qtype == "MXFP4" and not every_exponent:  # exponents that keep a row's sums finite in float32
+        raw.reshape(-1, 17)[:, 0] = np.random.default_rng(seed).integers(100, 140, raw.size // 17, dtype=np.uint8)
+    elif qtype == "MXFP4":  # the float's subnormal scales (e < 2), the first normal one and the largest
+        raw.reshape(-1, 17)[:4, 0] = [0, 1, 2, 255]
     arrays = {k: torch.from_numpy(v) for k, v in gguf_convert._SUPER_REPACKS[qtype](raw, rows, cols).items()}
-    tiled = tile({**arrays, "codebook": torch.tensor(kernels.IQ4_VALUES, dtype=torch.int8)})
+    table = kernels.MXFP4_VALUES if qtype == "MXFP4" else kernels.IQ4_VALUES
+    tiled = tile({**arrays, "codebook": torch.tensor(table, dtype=torch.int8)})
     return raw, (tiled["qweight"], tiled["scales"], None), tiled.get("subscales"), tiled["codebook"]
 
 
 @pytest.mark.parametrize("qtype", list(IQ4_TYPES))
 def test_iq4_kept_as_stored_repacks_bit_for_bit(qtype):
     rows, cols = 16, 768  # 2 tiles, 3 super-blocks
-    raw, (qweight, scales, _), sub, codebook = _iq4(qtype, rows, cols, seed=7)
+    raw, (qweight, scales, _), sub, codebook = _iq4(qtype, rows, cols, seed=7, every_exponent=True)
+    if qtype == "MXFP4":
+        assert {0, 1, 2, 255} <= set(raw.reshape(-1, 17)[:, 0].tolist())  # subnormal scales and the largest
     assert qweight.shape == (2, 24, 128)
     assert scales.shape == ((2, 3, 8) if qtype == "IQ4_XS" else (2, 24, 8))
-    assert (sub is None) == (qtype == "IQ4_NL") and (sub is None or sub.shape == (2, 24, 8))
-    ours = kernels.dequantize(qweight, scales, None, kernels.IQ4, subscales=sub).numpy()
+    assert (sub is None) == (qtype != "IQ4_XS") and (sub is None or sub.shape == (2, 24, 8))
+    ours = kernels.dequantize(qweight, scales, None, CODEBOOK_BITS[qtype], subscales=sub).numpy()
     np.testing.assert_array_equal(ours, gguf_dequantize(raw, QT[qtype]).reshape(rows, cols))
     fmt = QuantFormat.of({"w.qweight": qweight, "w.scales": scales, "w.codebook": codebook,
                           **({"w.subscales": sub} if sub is not None else {})}, "w")
-    assert fmt == QuantFormat(4, False, True, superblocks=sub is not None, codebook=True)
-    assert fmt.kernel_bits == kernels.IQ4 and fmt.name == ("iq4/k" if sub is not None else "iq4")
+    assert fmt == QuantFormat(4, False, True, superblocks=sub is not None, codebook=True, e8m0=qtype == "MXFP4")
+    assert fmt.kernel_bits == CODEBOOK_BITS[qtype]
+    assert fmt.name == {"IQ4_NL": "iq4", "IQ4_XS": "iq4/k", "MXFP4": "mxfp4"}[qtype]
     stored = [t for t in (qweight, scales, sub) if t is not None]
     assert sum(t.numel() * t.element_size() for t in stored) * 8 / (rows * cols) == fmt.bits_per_weight == IQ4_TYPES[qtype]
     # the file's own bits a weight: IQ4_NL's exactly; IQ4_XS's 6-bit scales widened to bytes
     assert gguf.GGML_QUANT_SIZES[QT[qtype]][1] * 8 / gguf.GGML_QUANT_SIZES[QT[qtype]][0] == \
         IQ4_TYPES[qtype] - (0.0625 if qtype == "IQ4_XS" else 0)
-    with pytest.raises(BriskError, match="IQ4 table"):  # a table the kernels do not know is refused, not used
+    with pytest.raises(BriskError, match="IQ4 or MXFP4 table"):  # a table the kernels do not know is refused
         QuantFormat.of({"w.qweight": qweight, "w.scales": scales, "w.codebook": codebook.flip(0)}, "w")
 
 
@@ -345,7 +355,7 @@ def test_iq4_kernel_computes_gguf_weights_on_every_path(isa, qtype, k):
     w = torch.from_numpy(gguf_dequantize(raw, QT[qtype]).reshape(40, k)).double()
     for rows in (1, 3, 4, 8, 9, 17):
         x = torch.randn(rows, k) * 3
-        out = kernels.quant_matmul(x, *tiled, kernels.IQ4, subscales=sub)
+        out = kernels.quant_matmul(x, *tiled, CODEBOOK_BITS[qtype], subscales=sub)
         q, d = kernels.quantize_activations(x)
         ref = ((q.view(rows, k // 32, 32).double() * d.double()[..., None]).view(rows, k) @ w.T).float()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
@@ -355,7 +365,7 @@ def test_iq4_kernel_computes_gguf_weights_on_every_path(isa, qtype, k):
 def test_k_quant_paths_agree_bit_for_bit_alone_or_batched(qtype):
     lib = kernels.library()
     if qtype in IQ4_TYPES:
-        bits, (_, tiled, sub, _) = kernels.IQ4, _iq4(qtype, 72, 1024, seed=5)
+        bits, (_, tiled, sub, _) = CODEBOOK_BITS[qtype], _iq4(qtype, 72, 1024, seed=5)
     else:
         bits, (_, tiled, sub) = K_QUANTS[qtype][0], _k_super(qtype, 72, 1024, seed=5)
     x = torch.randn(19, 1024) * 2

@@ -182,7 +182,8 @@ class TorchPagedAttention:
         # step and shared by every layer with that window
         self._decode_slots: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _gathered_decode(self, q: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
+    def _gathered_decode(self, q: torch.Tensor, layer: int, window: int | None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = self.meta
         if window not in self._decode_slots:
             if window is None:
@@ -197,20 +198,21 @@ class TorchPagedAttention:
         # [n, num_kv_heads, max_context, head_dim]
         keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         query = q.unsqueeze(2)  # [n, num_heads, 1, head_dim]
-        attn = attend(query, keys, values, mask, False, self.scale, self.softcap)
+        attn = attend(query, keys, values, mask, False, self.scale, self.softcap, sinks)
         return attn.reshape(n, -1)
 
-    def _decode(self, q: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
-        return self._gathered_decode(q, layer, window)
+    def _decode(self, q: torch.Tensor, layer: int, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        return self._gathered_decode(q, layer, window, sinks)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = self.meta
         window = meta.window(layer)
         self.cache.store(layer, k, v, meta.slot_mapping)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = self._decode(q[:n], layer, window)
+            out[:n] = self._decode(q[:n], layer, window, sinks)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.num_query)
             # [1, num_kv_heads, S, head_dim]
@@ -224,7 +226,7 @@ class TorchPagedAttention:
                 mask = context_pos <= rows_pos[:, None]
                 if window is not None:  # position i sees i - window + 1 .. i
                     mask &= context_pos > rows_pos[:, None] - window
-            attn = attend(query, keys, values, mask, mask is None, self.scale, self.softcap)
+            attn = attend(query, keys, values, mask, mask is None, self.scale, self.softcap, sinks)
             out[rows] = attn.squeeze(0).transpose(0, 1).reshape(seq.num_query, -1)
         return out
 
@@ -235,13 +237,13 @@ class KernelPagedAttention(TorchPagedAttention):
     quadratic math, not the copy) unless they are laid out as decode rows (batch-invariant mode,
     the default), which the kernel then walks in tiles of consecutive positions."""
 
-    def _decode(self, q: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer: int, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         meta, cache = self.meta, self.cache
         out = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens,
                                              meta.block_size, self.scale, window=window, softcap=self.softcap,
-                                             kv_dtype=cache.dtype, scales=cache.scales(layer))
+                                             kv_dtype=cache.dtype, scales=cache.scales(layer), sinks=sinks)
         if out is None:  # a shape the kernel does not take
-            return self._gathered_decode(q, layer, window)
+            return self._gathered_decode(q, layer, window, sinks)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -39,6 +39,12 @@ TILE_BYTES = {2: 64, 3: 96, 4: 128, 5: 160, 6: 192, 8: 256}  # bytes per tile an
 # int4's tiles, each standing for one of IQ4_VALUES (llama.cpp's kvalues_iq4nl), times a scale
 IQ4 = 20
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# `bits` of MXFP4 (GGUF MXFP4, gpt-oss's experts; quant_matmul.cpp "MXFP4"): E2M1 codes in int4's tiles, each
+# standing for one of MXFP4_VALUES (the E2M1 values doubled, gguf's kvalues), times 2^(e - 128) for the block's
+# E8M0 byte e (`scales` uint8 [N/8, K/32, 8])
+MXFP4 = 21
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+CODEBOOKS = {IQ4: IQ4_VALUES, MXFP4: MXFP4_VALUES}
 SIGNED_OFFSETS = {3: 4, 6: 32}  # K-quants without mins kept as stored (Q3_K, Q6_K): w = d * sc * (q - offset)
 PACKAGE_LIB = Path(__file__).with_name("_kernels.so")
 
@@ -226,10 +232,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, part_tokens: int = PART_TOKENS, window: int | None = None,
                            softcap: float | None = None, kv_dtype: KVDtype | None = None,
-                           scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """One query per row attending to its context through its block table, in place in the cache
     (with `window`: to the row's last `window` positions only; with `softcap`: Gemma 2's capped
-    scores, softcap * tanh(score / softcap)). Consecutive rows that are one sequence's consecutive
+    scores, softcap * tanh(score / softcap); with `sinks` [heads]: gpt-oss's logit per head that joins
+    the softmax with no value). Consecutive rows that are one sequence's consecutive
     positions (a prompt chunk laid out as decode rows) walk their context together, in tiles; each
     row's result is bit for bit the one it gets alone.
 
@@ -248,12 +256,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qf = q.float().contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
+    sink = None if sinks is None else sinks.float().contiguous()
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
     code = lib.brisk_paged_decode_attention(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code,
                                             *pointers, tables.data_ptr(),
                                             tables.shape[1], lens.data_ptr(), rows, heads, k_cache.shape[1],
                                             dim, block_size, scale, part_tokens, window or 0, softcap or 0.0,
-                                            out.data_ptr())
+                                            None if sink is None else sink.data_ptr(), out.data_ptr())
     return None if code else out
 
 
@@ -565,6 +574,22 @@ def dequantize_iq4(qweight: torch.Tensor, scales: torch.Tensor, subscales: torch
     return (step[..., None] * values.reshape(n, nb, QK)).reshape(n, nb * QK).to(dtype)
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> 2^(e - 128) float32, bit for bit gguf's e8m0_to_fp32_half (e < 2: the float's subnormals)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tiled MXFP4 layout -> [N, K]: MXFP4_VALUES[q] * 2^(e - 128), in float32: gguf's expression."""
+    tiles, nb, _ = qweight.shape
+    n = tiles * TILE_ROWS
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[untile_values(qweight, 4).long()]
+    step = e8m0_half(untile_side(scales, n, nb))
+    return (step[..., None] * values.reshape(n, nb, QK)).reshape(n, nb * QK).to(dtype)
+
+
 def untile_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The tiled int4 layout -> the row layout (the inverse of `tile_int4`: the words transposed back)."""
@@ -588,6 +613,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor | None, mins: torch.T
         return dequantize_int2(*int2_rows(qweight, scales, mins, subscales), dtype)
     if bits == IQ4:  # tiled only (GGUF IQ4_NL, IQ4_XS)
         return dequantize_iq4(qweight, scales, subscales, dtype)
+    if bits == MXFP4:  # tiled only
+        return dequantize_mxfp4(qweight, scales, dtype)
     if subscales is not None:
         scales, mins = superblock_scales(scales, mins, subscales)
     if qweight.dim() == 3:

@@ -51,7 +51,7 @@ SIGNATURES = {
     "brisk_half_matmul": ([_p, _p, _i32, _i64, _i64, _i64, _p], _i32),
     "brisk_half_matmul_panels": ([_p, _p, _i32, _i64, _i64, _i64, _p], _i32),
     "brisk_paged_decode_attention": ([_p, _p, _p, _i32, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32,
-                                      _i64, _i64, _f32, _p], _i32),
+                                      _i64, _i64, _f32, _p, _p], _i32),
     "brisk_paged_attention_isa": ([], _i32),
     "brisk_paged_attention_force_isa": ([_i32], None),
     "brisk_paged_attention_staged": ([_i32], _i32),

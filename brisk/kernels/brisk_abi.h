@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-// One weight [n, k] kept as stored: quantized (quant_matmul.cpp's layouts; bits 2 to 8, or 20: iq4) or 16-bit
+// One weight [n, k] kept as stored: quantized (quant_matmul.cpp's layouts; bits 2 to 8, 20: iq4, 21: mxfp4) or 16-bit
 // floats (half_matmul.cpp; bits 16, `half` the kv_types.h code: 1 bfloat16, 2 float16, with d and m
 // null), and an optional float32 bias [n].
 struct BriskQuantWeight {
@@ -109,7 +109,7 @@ int brisk_paged_decode_attention(const float* q, const void* k_cache, const void
                                  const float* k_scale, const float* v_scale, const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t part_tokens, int64_t window,
-                                 float softcap, float* out);
+                                 float softcap, const float* sinks, float* out);
 int brisk_paged_attention_isa();
 void brisk_paged_attention_force_isa(int isa);
 // staging of narrow K/V runs: 0 never, 1 tiles only (default), 2 always (the same bits in every mode);

@@ -95,7 +95,7 @@ int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims
                                                       L.v_scale, block_tables,
                                                       max_blocks, context_lens, rows, d.heads, d.kv_heads,
                                                       d.head_dim, d.block_size, d.scale, d.part_tokens, L.window,
-                                                      0.f, s.attn);
+                                                      0.f, nullptr, s.attn);
         if (code) return code;
         matmul(L.o, s.attn, rows, s, s.proj);
         brisk_rms_norm(s.proj, residual, L.post_norm, s.x, rows, d.hidden, d.eps);

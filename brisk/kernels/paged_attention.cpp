@@ -1626,13 +1626,15 @@ extern "C" {
 // 4 an unknown kv_dtype (kv_types.h), 5 int8 without its scales.
 // window > 0: each row attends to its last `window` positions only (sliding-window attention).
 // softcap > 0: scores are soft-capped, softcap * tanh(score / softcap) (Gemma 2), before the softmax.
+// sinks (null: none): a logit per query head that joins each row's softmax with no value (gpt-oss's attention
+// sinks): the merge adds exp(sink) to the denominator.
 // part_tokens (<= 0: whole rows) must not depend on the batch: a row's result then depends on
 // its own data only, whatever else is in the batch (greedy batch invariance).
 int brisk_paged_decode_attention(const float* q, const void* k_cache, const void* v_cache, int kv_dtype,
                                  const float* k_scale, const float* v_scale, const int32_t* block_tables, int64_t max_blocks, const int32_t* context_lens,
                                  int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t part_tokens, int64_t window,
-                                 float softcap, float* out) {
+                                 float softcap, const float* sinks, float* out) {
     if (head_dim > MAX_DIM) return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 3;
     if (num_heads > MAX_HEADS) return 2;
@@ -1700,9 +1702,10 @@ int brisk_paged_decode_attention(const float* q, const void* k_cache, const void
         for (int64_t h = 0; h < H; h++) {
             float mx = -std::numeric_limits<float>::infinity();
             for (int64_t p = 0; p < parts; p++) mx = std::max(mx, first[p * per_item + H * D + h]);
+            if (sinks) mx = std::max(mx, sinks[h]);
             float* o = out + (row * H + h) * D;
             for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-            float total = 0.f;
+            float total = sinks ? std::exp(sinks[h] - mx) : 0.f;
             for (int64_t p = 0; p < parts; p++) {
                 const float* st = first + p * per_item;
                 const float lp = st[H * D + H + h];

@@ -34,6 +34,7 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int IQ4 = 20;  // `bits` of the iq4 layout (4-bit codes into IQ4_VALUES; brisk.kernels.IQ4)
+constexpr int MXFP4 = 21;  // `bits` of MXFP4 (E2M1 codes into MXFP4_VALUES with an E8M0 scale; brisk.kernels.MXFP4)
 
 inline float f16_to_f32(uint16_t h) {
     // IEEE half -> float without F16C, for the scalar path.
@@ -59,7 +60,7 @@ struct Weights {
     const uint8_t* q;     // int4: [N, K/2]; int8: [N, K] (signed bytes)
     const uint16_t* d;    // [N, K/32] float16 scales (K-quants: their d per 256)
     const uint16_t* m;    // [N, K/32] float16 offsets, or null (K-quants: their dmin per 256)
-    int bits;             // 4 or 8; tiled only: 2, 3, 5, 6 (GGUF Q2_K, Q3_K, Q5_K, Q6_K as stored), IQ4
+    int bits;             // 4 or 8; tiled only: 2, 3, 5, 6 (GGUF Q2_K, Q3_K, Q5_K, Q6_K as stored), IQ4, MXFP4
     bool tiled;           // in tiles of 8 rows (see "int4 in tiles of 8 weight rows" below)
     const uint8_t* sub;   // tiled int4 with super-block scales (GGUF Q4_K): see tile_scales;
                           // tiled int6/int3 (GGUF Q6_K/Q3_K): their signed sub-scales, see "int6 in
@@ -1022,12 +1023,48 @@ float dot_scalar_tiled_high(const Weights& w, int64_t n, const Acts& a, int64_t 
 
 alignas(16) constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-template <int MT>
+// MXFP4 (GGUF MXFP4, gpt-oss's experts; `bits` MXFP4) runs the same loops: its codes are E2M1 values, doubled to
+// integers (the OCP MX spec's, as gguf's kvalues), sign in the top bit, in int4's tiles as IQ4_NL's; its scale
+// per 32 is one E8M0 byte e (`d` [tiles][nb][8] uint8), worth 2^(e - 127) / 2 for the doubled values: bit for
+// bit gguf's e8m0_to_fp32_half (e < 2 are the float's subnormals). 4.25 bits a weight, the file's.
+alignas(16) constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+template <bool E8> constexpr const int8_t* codebook() { return E8 ? MXFP4_VALUES : IQ4_VALUES; }
+
+inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i e8m0_half_bits8(const uint8_t* p) {  // 8 bytes -> e8m0_half of each, as float bits
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e));
+}
+
+// A block's 8 row scales (one tile): float16 (iq4) or E8M0 (MXFP4)
+template <bool E8>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256 block_scales8(const uint16_t* d, int64_t at) {
+    if constexpr (E8) return _mm256_castsi256_ps(e8m0_half_bits8(reinterpret_cast<const uint8_t*>(d) + at));
+    else return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + at)));
+}
+
+template <bool E8> inline float block_scale(const uint16_t* d, int64_t at) {
+    if constexpr (E8) return e8m0_half(reinterpret_cast<const uint8_t*>(d)[at]);
+    else return f16_to_f32(d[at]);
+}
+
+template <int MT, bool E8>
 __attribute__((target("avx2,fma,f16c")))
 void tile_iq4_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
     const int64_t nb = K / QK;
     const uint8_t* wt = w.q + tile * nb * 128;
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)IQ4_VALUES));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)codebook<E8>()));
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
@@ -1059,7 +1096,7 @@ void tile_iq4_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, in
             for (int i = 0; i < MT; i++) s[i] = _mm256_mullo_epi32(sc, s[i]);
             d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * (nb / 8) + b / 8) * NR)));
         } else {
-            d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + (tile * nb + b) * NR)));
+            d8 = block_scales8<E8>(w.d, (tile * nb + b) * NR);
         }
         for (int i = 0; i < MT; i++)
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[(r0 + i) * nb + b])),
@@ -1069,14 +1106,14 @@ void tile_iq4_rows(const Weights& w, int64_t tile, const Acts& a, int64_t r0, in
 }
 
 // Two tiles (16 rows) with VNNI in a zmm, as tile8_pair_vnni. (An odd last tile takes tile_iq4_rows.)
-template <int MT>
+template <int MT, bool E8>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 void tile_iq4_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r0, int64_t K, float* out, int64_t N) {
     const int64_t nb = K / QK;
     const uint8_t* w0 = w.q + tile * nb * 128;
     const uint8_t* w1 = w0 + nb * 128;
     alignas(16) uint8_t shifted[16];  // the values + 128, as vpdpbusd's unsigned operand
-    for (int k = 0; k < 16; k++) shifted[k] = static_cast<uint8_t>(IQ4_VALUES[k] + 128);
+    for (int k = 0; k < 16; k++) shifted[k] = static_cast<uint8_t>(codebook<E8>()[k] + 128);
     const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)shifted));
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[MT];
@@ -1096,6 +1133,10 @@ void tile_iq4_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r
             const uint16_t* dp = w.d + (tile * (nb / 8) + b / 8) * NR;
             d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)dp)),
                                                           _mm_loadu_si128((const __m128i*)(dp + (nb / 8) * NR)), 1));
+        } else if constexpr (E8) {
+            const int64_t at = (tile * nb + b) * NR;
+            d16 = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(e8m0_half_bits8(
+                reinterpret_cast<const uint8_t*>(w.d) + at)), e8m0_half_bits8(reinterpret_cast<const uint8_t*>(w.d) + at + nb * NR), 1));
         } else {
             const uint16_t* dp = w.d + (tile * nb + b) * NR;
             d16 = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)dp)),
@@ -1116,7 +1157,9 @@ void tile_iq4_pair_vnni(const Weights& w, int64_t tile, const Acts& a, int64_t r
 }
 
 // Weight row n of the tiled iq4 layout, one activation row, portable: the same integer and float steps.
+template <bool E8>
 float dot_scalar_tiled_iq4(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
+    const int8_t* values = codebook<E8>();
     const int64_t nb = K / QK, tile = n / NR, j = n % NR;
     float acc = 0.f;
     for (int64_t b = 0; b < nb; b++) {
@@ -1126,14 +1169,14 @@ float dot_scalar_tiled_iq4(const Weights& w, int64_t n, const Acts& a, int64_t r
         for (int v = 0; v < 4; v++)
             for (int e = 0; e < 4; e++) {
                 const int byte = blk[v * 32 + 4 * j + e];
-                s += IQ4_VALUES[byte & 0x0F] * y[4 * v + e] + IQ4_VALUES[byte >> 4] * y[16 + 4 * v + e];
+                s += values[byte & 0x0F] * y[4 * v + e] + values[byte >> 4] * y[16 + 4 * v + e];
             }
         float d;
         if (w.sub) {
             s *= reinterpret_cast<const int8_t*>(w.sub)[(tile * nb + b) * NR + j];
             d = f16_to_f32(w.d[(tile * (nb / 8) + b / 8) * NR + j]);
         } else {
-            d = f16_to_f32(w.d[(tile * nb + b) * NR + j]);
+            d = block_scale<E8>(w.d, (tile * nb + b) * NR + j);
         }
         acc = std::fma((float)s, d * a.d[r * nb + b], acc);
     }
@@ -1199,15 +1242,18 @@ struct HighTiles {  // int2, int3, int5 and int6
     }
 };
 
-struct IQ4Tiles {
+template <bool E8>
+struct CodebookTiles {  // iq4 (E8 false) and MXFP4
     template <int MT> static void pair(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
-                                       int64_t N) { tile_iq4_pair_vnni<MT>(w, t, a, r, K, out, N); }
+                                       int64_t N) { tile_iq4_pair_vnni<MT, E8>(w, t, a, r, K, out, N); }
     template <int MT> static void one(const Weights& w, int64_t t, const Acts& a, int64_t r, int64_t K, float* out,
-                                      int64_t N) { tile_iq4_rows<MT>(w, t, a, r, K, out, N); }
+                                      int64_t N) { tile_iq4_rows<MT, E8>(w, t, a, r, K, out, N); }
     static float scalar(const Weights& w, int64_t n, const Acts& a, int64_t r, int64_t K) {
-        return dot_scalar_tiled_iq4(w, n, a, r, K);
+        return dot_scalar_tiled_iq4<E8>(w, n, a, r, K);
     }
 };
+using IQ4Tiles = CodebookTiles<false>;
+using MXFP4Tiles = CodebookTiles<true>;
 
 // Tile pairs with VNNI (an odd last tile alone, the same bits), else one tile at a time, else portable.
 template <class L>
@@ -1250,6 +1296,7 @@ void matmul(const Weights& w, const Acts& a, int64_t M, int64_t N, int64_t K, fl
     if (w.tiled && w.bits == 3) return matmul_tiles<HighTiles<3>>(w, a, M, N, K, out);
     if (w.tiled && w.bits == 2) return matmul_tiles<HighTiles<2>>(w, a, M, N, K, out);
     if (w.tiled && w.bits == IQ4) return matmul_tiles<IQ4Tiles>(w, a, M, N, K, out);
+    if (w.tiled && w.bits == MXFP4) return matmul_tiles<MXFP4Tiles>(w, a, M, N, K, out);
     const bool avx2 = has_avx2(), vnni = kernel_isa() >= 3;
     // From 8 activation rows on, tiles two at a time (an odd last tile alone); below, the pair's
     // unpacking is not paid back (one TinyLlama layer's linears, same run: the pair loop 2.04x the
@@ -1391,6 +1438,7 @@ void matmul_experts_any(const Weights* ws, const int64_t* off, int64_t E, const 
         case 3: return matmul_experts<HighTiles<3>>(ws, off, E, a, N, K, out);
         case 2: return matmul_experts<HighTiles<2>>(ws, off, E, a, N, K, out);
         case IQ4: return matmul_experts<IQ4Tiles>(ws, off, E, a, N, K, out);
+        case MXFP4: return matmul_experts<MXFP4Tiles>(ws, off, E, a, N, K, out);
         default: return matmul_experts<Int4Tiles>(ws, off, E, a, N, K, out);
     }
 }

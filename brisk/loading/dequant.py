@@ -237,6 +237,21 @@ def dequant_iq4_xs(raw: np.ndarray) -> np.ndarray:
     return (step * IQ4_VALUES[codes].astype(np.float32)).reshape(-1)
 
 
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1, doubled
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 bytes -> 2^(e - 128) as float32 (gguf's e8m0_to_fp32_half: e < 2 are the float's subnormals)."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+def dequant_mxfp4(raw: np.ndarray) -> np.ndarray:
+    """MXFP4: blocks of 32, an E8M0 byte and 16 bytes of E2M1 codes (Q4_0's order): 2^(e - 128) * MXFP4_VALUES[q]."""
+    b = _blocks(raw, 1 + QK // 2)
+    return (e8m0_half(b[:, :1]) * MXFP4_VALUES[_nibbles(b[:, 1:])].astype(np.float32)).reshape(-1)
+
+
 def dequant_f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).reshape(-1).view(np.float16).astype(np.float32)
 
@@ -266,6 +281,7 @@ DEQUANTIZERS = {
     "Q6_K": dequant_q6_k,
     "IQ4_NL": dequant_iq4_nl,
     "IQ4_XS": dequant_iq4_xs,
+    "MXFP4": dequant_mxfp4,
 }
 
 

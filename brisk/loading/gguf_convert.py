@@ -52,7 +52,7 @@ import torch
 
 from brisk.errors import ModelLoadError
 from brisk.families import FAMILIES, Family
-from brisk.kernels import IQ4_VALUES, QK, SIGNED_OFFSETS, TILE_BYTES, TILE_ROWS
+from brisk.kernels import IQ4_VALUES, MXFP4_VALUES, QK, SIGNED_OFFSETS, TILE_BYTES, TILE_ROWS
 from brisk.loading import repack
 from brisk.loading.dequant import (DEQUANTIZERS, IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
                                    _k_scales_mins, check_type, q2_k_scales, q3_k_scales, q6_k_scales)
@@ -125,10 +125,20 @@ def shared_codebooks(infos: list[TensorInfo]) -> set[str]:
     return shared
 
 
+# gpt-oss: the norm before the MLP is post_attention_norm; biases on the attention's output, the router and the
+# experts (gate's and up's bias [E, I] each, joined along I at load: brisk.loading.loader._oai_experts); the sinks
+_OAI_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight", "attn_output.bias": "self_attn.o_proj.bias",
+              "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.bias": "mlp.gate.bias",
+              "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias", "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+              "ffn_down_exps.bias": "mlp.experts.down_proj_bias"}
+
+
 def _names_of(family: Family) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """A family's layer tensor names: (GGUF -> brisk, fused brisk name -> GGUF parts)."""
     layer_names = _SANDWICH_NAMES if family.gguf_tensors == "sandwich" else _LAYER_NAMES
     fused = _STORED_FUSED if family.gguf_tensors == "fused" else _FUSED
+    if family.gguf_tensors == "oai":
+        layer_names = {**layer_names, **_OAI_NAMES}
     if family.experts is not None:
         layer_names, fused = {**layer_names, **_ROUTER}, {**fused, **_SHARED_FUSED}
     return layer_names, fused
@@ -141,6 +151,7 @@ NATIVE_FORMATS = {
     "Q5_K": QuantFormat(5, True, superblocks=True), "Q6_K": QuantFormat(6, False, superblocks=True),
     "Q3_K": QuantFormat(3, False, superblocks=True), "Q2_K": QuantFormat(2, True, superblocks=True),
     "IQ4_NL": QuantFormat(4, False, codebook=True), "IQ4_XS": QuantFormat(4, False, superblocks=True, codebook=True),
+    "MXFP4": QuantFormat(4, False, codebook=True, e8m0=True),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 HALF_TYPES = ("F16", "BF16")  # kept as stored in `auto` (2-D tensors; vectors become F32)
@@ -266,7 +277,14 @@ def _repack_iq4_xs(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarra
             "subscales": (sc.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols // QK, 1)}
 
 
-_SUPER_REPACKS = {"Q4_K": _repack_q4_k_super, "Q5_K": _repack_q5_k_super,
+def _repack_mxfp4(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """MXFP4 blocks of 32 kept as stored, in brisk's int4 row layout before tiling: the E2M1 codes by slicing
+    (Q4_0's nibble order) and the E8M0 byte per block."""
+    head, codes = repack.split_blocks(raw, 1 + QK // 2, 1)
+    return {"qweight": codes.reshape(rows, -1), "scales": head.reshape(rows, cols // QK)}
+
+
+_SUPER_REPACKS = {"MXFP4": _repack_mxfp4, "Q4_K": _repack_q4_k_super, "Q5_K": _repack_q5_k_super,
                   "Q6_K": lambda raw, rows, cols: _repack_signed(raw, rows, cols, 6),
                   "Q3_K": lambda raw, rows, cols: _repack_signed(raw, rows, cols, 3),
                   "Q2_K": _repack_q2_k_super, "IQ4_NL": _repack_iq4_nl, "IQ4_XS": _repack_iq4_xs}
@@ -284,7 +302,7 @@ def stored_arrays(fmt: QuantFormat | None, float_type: str = "F32") -> list[tupl
     for a 16-bit matrix kept as stored)."""
     if fmt is None:
         return [("weight", float_type)]
-    arrays = [("qweight", "I8" if fmt.bits == 8 else "U8"), ("scales", "F16")]
+    arrays = [("qweight", "I8" if fmt.bits == 8 else "U8"), ("scales", "U8" if fmt.e8m0 else "F16")]
     signed = fmt.bits in SIGNED_OFFSETS or fmt.codebook
     return arrays + ([("mins", "F16")] if fmt.has_mins else []) + \
         ([("subscales", "I8" if signed else "U8")] if fmt.superblocks else []) + \
@@ -309,7 +327,7 @@ def stored_shape(suffix: str, rows: int, cols: int, fmt: QuantFormat | None) -> 
 
 def target_format(name: str, qtype: str, shape: tuple[int, ...], quantization: str) -> QuantFormat | None:
     """How a tensor is stored: None = float32, else its quantized format."""
-    if len(shape) != 2 or quantization == "none":
+    if len(shape) != 2 or quantization == "none" or name.endswith(".bias"):  # (gpt-oss's experts' biases are 2-D)
         return None
     if quantization in _REQUANTIZED_FORMATS:
         check_quantizable(name, shape, quantization)
@@ -458,7 +476,7 @@ class _Group:
 
     def _tiled(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fmt.codebook:  # the table the codes stand for, once per weight
-            arrays[CODEBOOK] = np.array(IQ4_VALUES, dtype=np.int8)
+            arrays[CODEBOOK] = np.array(MXFP4_VALUES if self.fmt.e8m0 else IQ4_VALUES, dtype=np.int8)
         tiled = tile({k: torch.from_numpy(v) for k, v in arrays.items()}, self.fmt.bits)
         return {k: v.numpy() for k, v in tiled.items()}
 

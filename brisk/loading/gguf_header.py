@@ -230,4 +230,8 @@ def hf_config(meta: dict[str, Any], has_output: bool, source: str) -> dict[str, 
                 key("rope.scaling.original_context_length", config["max_position_embeddings"])
             ),
         }
+        for beta in ("beta_fast", "beta_slow"):  # YaRN's ramp (llama.cpp's defaults, 32 and 1, where absent)
+            value = key(f"rope.scaling.yarn_{beta}", None, required=False)
+            if value is not None:
+                config["rope_scaling"][beta] = float(value)
     return config

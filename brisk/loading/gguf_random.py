@@ -47,7 +47,11 @@ QWEN3_30B_A3B = Shape(hidden=2048, layers=48, ffn=6144, heads=32, kv_heads=4, co
 # Qwen3-Embedding-0.6B's shape (a Qwen3 block, last-token pooling)
 QWEN3_EMBEDDING_06B = Shape(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, context=4096, head_dim=128,
                             arch="qwen3")
-SHAPES = {"tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+# gpt-oss-20b's shape: 24 layers, 32 experts of 2880 (4 a token), 64/8 heads x 64, every other layer sliding
+# over 128 tokens, sinks and biases (the vocabulary is the tokenizer's the file copies)
+GPT_OSS_20B = Shape(hidden=2880, layers=24, ffn=2880, heads=64, kv_heads=8, context=4096, head_dim=64, experts=32,
+                    experts_used=4, expert_ffn=2880, arch="gpt-oss")
+SHAPES = {"gpt-oss-20b": GPT_OSS_20B, "tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B, "qwen3-30b-a3b": QWEN3_30B_A3B,
           "qwen3-embedding-0.6b": QWEN3_EMBEDDING_06B}
 
 
@@ -233,6 +237,27 @@ def quantize_q3_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 110)
 
 
+_E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12], dtype=np.float32)  # MXFP4's magnitudes, doubled (gguf's kvalues)
+
+
+def quantize_mxfp4(values: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 32) -> GGUF MXFP4 blocks [rows, cols / 32 * 17] (uint8): an E8M0
+    byte e (the block's largest magnitude onto the top of E2M1's range, as gguf's quantizer picks it), then 16
+    bytes of codes in Q4_0's order, sign in each code's top bit; w = 2^(e - 128) * MXFP4_VALUES[q]. The nearest
+    value by a search of the sorted magnitudes (gguf's quantizer compares all 16, too slow for a 20B shape)."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 32)
+    top = np.abs(x).max(-1)
+    with np.errstate(divide="ignore"):
+        e = np.where(top > 0, np.floor(np.log2(top)) - 2 + 127, 0).clip(0, 254).astype(np.uint8)
+    scale = (np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32), (e.astype(np.uint32) - 1) << np.uint32(23))
+             .astype(np.uint32).view(np.float32))[:, None]
+    magnitude = np.divide(np.abs(x), scale, out=np.zeros_like(x), where=scale > 0)
+    codes = np.searchsorted((_E2M1[1:] + _E2M1[:-1]) / 2, magnitude).astype(np.uint8).clip(0, 7)
+    codes |= (x < 0).astype(np.uint8) << 3
+    return np.concatenate([e[:, None], _iq4_pack(codes)], axis=1).reshape(rows, cols // 32 * 17)
+
+
 MIXES = {  # llama.cpp's mixes, as far as a test model needs them: tensor name suffix -> type
     "Q4_K_M": ("Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
     "Q5_K_M": ("Q5_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
@@ -240,6 +265,8 @@ MIXES = {  # llama.cpp's mixes, as far as a test model needs them: tensor name s
                         "output.weight": "Q6_K"}),
     # llama.cpp's Q2_K
     "Q2_K_mix": ("Q2_K", {"attn_v.weight": "Q3_K", "ffn_down.weight": "Q3_K", "output.weight": "Q6_K"}),
+    # llama-quantize's MXFP4_MOE (gpt-oss as it ships): the experts in MXFP4, every other matrix Q8_0
+    "MXFP4_MOE": ("Q8_0", {"_exps": "MXFP4"}),
 }
 
 
@@ -266,9 +293,17 @@ def _matrices(shape: Shape, vocab: int, tied_embeddings: bool) -> dict[str, tupl
 def _vectors(shape: Shape) -> dict[str, tuple[int, ...]]:
     """The norms (ones) and, for experts, the routers (F32 as llama.cpp keeps them)."""
     vectors = {"output_norm.weight": (shape.hidden,)}
+    oai = shape.arch == "gpt-oss"
     for i in range(shape.layers):
         p = f"blk.{i}."
-        vectors.update({p + "attn_norm.weight": (shape.hidden,), p + "ffn_norm.weight": (shape.hidden,)})
+        vectors.update({p + "attn_norm.weight": (shape.hidden,),
+                        p + ("post_attention_norm.weight" if oai else "ffn_norm.weight"): (shape.hidden,)})
+        if oai:  # gpt-oss: biases on attention, router and experts, and a sink per head
+            q, kv, e, f = shape.heads * shape.dim, shape.kv_heads * shape.dim, shape.experts, shape.expert_ffn
+            vectors.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,),
+                            p + "attn_output.bias": (shape.hidden,), p + "attn_sinks.weight": (shape.heads,),
+                            p + "ffn_gate_inp.bias": (e,), p + "ffn_gate_exps.bias": (e, f),
+                            p + "ffn_up_exps.bias": (e, f), p + "ffn_down_exps.bias": (e, shape.hidden)})
         if shape.arch in ("qwen3", "qwen3moe"):  # per head
             vectors.update({p + "attn_q_norm.weight": (shape.dim,), p + "attn_k_norm.weight": (shape.dim,)})
         elif shape.arch == "olmoe":  # over the whole projection
@@ -309,8 +344,15 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
         writer.add_expert_feed_forward_length(shape.expert_ffn)
     if pooling_type is not None:  # an embedding model, as llama.cpp's converter marks one (3: last-token pooling)
         writer.add_pooling_type(gguf.PoolingType(pooling_type))
-    writer.add_layer_norm_rms_eps(1e-5 if shape.arch == "llama" else 1e-6)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5 if shape.arch in ("llama", "gpt-oss") else 1e-6)
+    if shape.arch == "gpt-oss":  # as the converter writes gpt-oss-20b's
+        writer.add_sliding_window(128)
+        writer.add_rope_freq_base(150000.0)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
+    else:
+        writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(vocab)
     rng = np.random.default_rng(seed)
     plan = []  # (name, [out, in] dims per matrix (experts: leading count), GGML type)
@@ -318,7 +360,8 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
         # a mix's rule names a tensor (output.weight is the head, not attn_output); ffn_down covers ffn_down_exps
         plain = name.replace("_exps.", ".")
         qtype = gguf.GGMLQuantizationType[next((t for end, t in overrides.items()
-                                                if plain == end or plain.endswith("." + end)), base)]
+                                                if plain == end or plain.endswith("." + end)
+                                                or (end == "_exps" and "_exps." in name)), base)]
         plan.append((name, dims, qtype))
     plan += [(name, dims, gguf.GGMLQuantizationType.F32) for name, dims in _vectors(shape).items()]
     for name, dims, qtype in plan:
@@ -333,9 +376,12 @@ def write_random_gguf(path: Path, shape: Shape, tensor_type: str, tokenizer_from
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims, qtype in plan:
-        if len(dims) == 1:  # norms
+        if len(dims) == 1 and name.endswith("norm.weight"):
             norm = 1 + 0.25 * rng.standard_normal(dims) if random_norms else np.ones(dims)
             writer.write_tensor_data(norm.astype(np.float32))
+            continue
+        if len(dims) == 1 or name.endswith("_exps.bias"):  # gpt-oss's biases and sinks
+            writer.write_tensor_data((rng.standard_normal(dims) * (0.5 if "sinks" in name else 0.02)).astype(np.float32))
             continue
         rows = [dims] if len(dims) == 2 else [dims[1:]] * dims[0]  # experts one at a time
         data = [_random_matrix(rng, rows_dims, qtype, name) for rows_dims in rows]
@@ -354,7 +400,8 @@ def _random_matrix(rng, dims: tuple[int, int], qtype, name: str) -> np.ndarray:
                     gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
                     gguf.GGMLQuantizationType.Q2_K: quantize_q2_k,
                     gguf.GGMLQuantizationType.IQ4_NL: quantize_iq4_nl,
-                    gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
+                    gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs,
+                    gguf.GGMLQuantizationType.MXFP4: quantize_mxfp4}
     values = rng.standard_normal(dims, dtype=np.float32) * (0.5 if name.endswith("ffn_gate_inp.weight") else 0.02)
     if qtype == gguf.GGMLQuantizationType.F32:
         return values

@@ -18,7 +18,7 @@ from brisk.families import FAMILIES
 from brisk.errors import BriskError, ModelLoadError
 from brisk.kernels.paths import compute_paths
 from brisk.kv_dtype import KVDtype, resolve as resolve_kv_dtype
-from brisk.loading import gguf_convert, memory_plan, safetensors_io
+from brisk.loading import gguf_convert, memory_plan, mxfp4, safetensors_io
 from brisk.cache_dir import cache_dir
 from brisk.loading.pooling import Pooling, pooling_of
 from brisk.loading.report import LoadReport
@@ -158,6 +158,9 @@ def _stack_experts(tensors: dict[str, torch.Tensor], layer: int, cfg: ModelConfi
     the router becomes `mlp.gate.weight`."""
     spec = FAMILIES[cfg.architecture].experts
     src, dst = f"model.layers.{layer}.{spec.module}.", f"model.layers.{layer}.mlp."
+    if spec.oai:
+        _oai_experts(tensors, dst)
+        return
     if src != dst and f"{src}gate.weight" in tensors:
         tensors[f"{dst}gate.weight"] = tensors.pop(f"{src}gate.weight")
     for name in ("gate_up_proj", "down_proj"):  # transformers 5's own layout: stacked already
@@ -176,6 +179,44 @@ def _stack_experts(tensors: dict[str, torch.Tensor], layer: int, cfg: ModelConfi
                              "experts in config.json)") from None
     for name, weights in stacked.items():
         tensors[f"{dst}experts.{name}.weight"] = torch.stack(weights)
+
+
+HARMONY_STOPS = ("<|return|>", "<|call|>")  # gpt-oss's stop tokens (its generation_config's, llama.cpp's EOG)
+
+
+def _gate_then_up(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """gpt-oss's interleaved gate/up (gate at even indices of `dim`, up at odd) -> gate's, then up's."""
+    index = [slice(None)] * t.dim()
+    index[dim] = slice(0, None, 2)
+    gate = t[tuple(index)]
+    index[dim] = slice(1, None, 2)
+    return torch.cat([gate, t[tuple(index)]], dim=dim)
+
+
+def _oai_experts(tensors: dict[str, torch.Tensor], mlp: str) -> None:
+    """gpt-oss's layer as transformers stores it -> brisk's names: the router `mlp.router` -> `mlp.gate`; the
+    experts, stored [E, in, out] with gate and up interleaved column by column, -> [E, out, in] with gate's rows
+    then up's (their biases likewise); MXFP4 `*_blocks`/`*_scales` (the Hub's checkpoints, already [E, out, ...],
+    rows interleaved) -> brisk's MXFP4 tiles (brisk.loading.mxfp4)."""
+    for kind in ("weight", "bias"):
+        if f"{mlp}router.{kind}" in tensors:
+            tensors[f"{mlp}gate.{kind}"] = tensors.pop(f"{mlp}router.{kind}")
+    experts = f"{mlp}experts."
+    if f"{experts}gate_proj_bias" in tensors and f"{experts}up_proj_bias" in tensors:  # from a GGUF: apart
+        tensors[f"{experts}gate_up_proj_bias"] = torch.cat([tensors.pop(f"{experts}gate_proj_bias"),
+                                                            tensors.pop(f"{experts}up_proj_bias")], dim=-1)
+    elif f"{experts}gate_up_proj_bias" in tensors:
+        tensors[f"{experts}gate_up_proj_bias"] = _gate_then_up(tensors[f"{experts}gate_up_proj_bias"], -1)
+    if f"{experts}gate_up_proj" in tensors:
+        tensors[f"{experts}gate_up_proj.weight"] = _gate_then_up(tensors.pop(f"{experts}gate_up_proj").transpose(1, 2), 1)
+    if f"{experts}down_proj" in tensors:
+        tensors[f"{experts}down_proj.weight"] = tensors.pop(f"{experts}down_proj").transpose(1, 2)
+    for name in ("gate_up_proj", "down_proj"):
+        if f"{experts}{name}_blocks" in tensors:
+            blocks, scales = tensors.pop(f"{experts}{name}_blocks"), tensors.pop(f"{experts}{name}_scales")
+            if name == "gate_up_proj":
+                blocks, scales = _gate_then_up(blocks, 1), _gate_then_up(scales, 1)
+            tensors.update({f"{experts}{name}.{k}": t for k, t in mxfp4.from_hub(blocks, scales).items()})
 
 
 def _expected_names(model: DecoderForCausalLM) -> set[str]:
@@ -408,6 +449,9 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
         net.eval().requires_grad_(False)
     with report.phase("tokenizer"):
         tokenizer = Tokenizer.from_dir(model_dir, _eos_ids(model_dir, cfg))
+        if cfg.architecture == "GptOssForCausalLM":  # a harmony reply ends at <|return|> or at a call's <|call|>
+            stops = [tokenizer.fast.token_to_id(t) for t in HARMONY_STOPS]
+            tokenizer.eos_token_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *(i for i in stops if i is not None)]))
     if warmup:
         with report.phase("first_forward"):
             _warmup(net, cfg, dev, torch_dtype, maps)

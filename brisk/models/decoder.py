@@ -39,9 +39,11 @@ from brisk.models.moe import SparseMoeBlock
 
 
 class Attention(Protocol):
-    """Stores this step's K/V for `layer` and returns attention output [T, num_heads * head_dim]."""
+    """Stores this step's K/V for `layer` and returns attention output [T, num_heads * head_dim]. `sinks`
+    [num_heads] (gpt-oss): a logit per head that joins each row's softmax and attends to nothing."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class DecoderAttention(nn.Module):
@@ -51,7 +53,8 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":  # one weight [head_dim] shared by every head
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -71,7 +74,10 @@ class DecoderAttention(nn.Module):
                 rope.rotate_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
             q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
+        if self.sinks is None:
+            out = attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
+        else:
+            out = attention(self.layer_idx, q, k, v, self.sinks)
         return self.o_proj(out)
 
     def _normed_qk(self, qkv: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,23 +166,32 @@ class RopeTables(NamedTuple):
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-           is_causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
+           is_causal: bool, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, heads, L, D], keys/values [B, kv_heads, S, D] (GQA) -> [B, heads, L, D].
 
     SDPA, except with Gemma 2's soft-capping (scores -> cap * tanh(scores / cap) before the
-    softmax), which SDPA cannot express: then the eager math, as transformers runs Gemma 2."""
-    if softcap is None:
+    softmax) or gpt-oss's sinks (a logit per head joins the softmax, with no value), which SDPA
+    cannot express: then the eager math, as transformers runs those models."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=True)
     groups = query.shape[1] // keys.shape[1]
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         length, span = scores.shape[-2], scores.shape[-1]
         mask = torch.ones(length, span, dtype=torch.bool, device=scores.device).tril(span - length)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        return torch.matmul(weights, values)
+    scores = scores.float()
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    weights = torch.softmax(combined, dim=-1)[..., :-1].to(values.dtype)
     return torch.matmul(weights, values)

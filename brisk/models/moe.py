@@ -132,12 +132,26 @@ class StackedExpertLinear(nn.Module):
         return torch.cat([p.dequantized(expert, dtype) for p in self.parts])
 
 
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's gate over [.., 2 * I] (gate columns, then up): the gate clamped above at `limit`, the up to
+    +-`limit`, then (up + 1) * gate * sigmoid(alpha * gate), as transformers' GptOssExperts computes it."""
+    def gate(gate_up: torch.Tensor) -> torch.Tensor:
+        g, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        g = g.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+    return gate
+
+
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, biases: bool = False, gate=None):
         super().__init__()
         self.num_experts, self.intermediate = num_experts, intermediate
         self.gate_up_proj = ExpertLinear(num_experts, hidden, 2 * intermediate)
         self.down_proj = ExpertLinear(num_experts, intermediate, hidden)
+        self.gate = gate or fused.silu_mul
+        # gpt-oss: a bias per expert on each projection ([E, 2 * I]: gate's, then up's; [E, H])
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if biases else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if biases else None
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; top_ids, top_weights [T, k] -> [T, H]: each row's weighted sum of its experts' SwiGLU. The
@@ -151,8 +165,14 @@ class Experts(nn.Module):
         offsets = [0] + torch.cumsum(counts[experts], 0).tolist()
         experts = experts.tolist()
         grouped = x[order // k]  # [rows * k, H]
-        h = fused.silu_mul(self.gate_up_proj.grouped(grouped, experts, offsets))
+        gate_up = self.gate_up_proj.grouped(grouped, experts, offsets)
+        by_expert = flat[order] if self.gate_up_proj_bias is not None else None  # each grouped row's expert
+        if by_expert is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[by_expert].to(gate_up.dtype)
+        h = self.gate(gate_up)
         y = self.down_proj.grouped(h, experts, offsets)  # [rows * k, H], grouped by expert
+        if by_expert is not None:
+            y = y + self.down_proj_bias[by_expert].to(y.dtype)
         by_choice = torch.empty_like(y)
         by_choice[order] = y
         by_choice = by_choice.view(rows, k, -1) * top_weights.to(y.dtype)[:, :, None]
@@ -170,6 +190,12 @@ def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+def route_top_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's router: the top k logits, softmaxed among themselves (transformers' GptOssTopKRouter)."""
+    values, ids = torch.topk(logits.float(), k, dim=-1)
+    return ids, torch.softmax(values, dim=-1)
 
 
 class SharedExpertMLP(nn.Module):
@@ -193,9 +219,10 @@ class SparseMoeBlock(nn.Module):
         if cfg.hidden_act != "silu":
             raise BriskError(f"{cfg.architecture}: experts with activation {cfg.hidden_act!r} are not implemented "
                              "(brisk's experts are SwiGLU)")
-        self.top_k, self.renormalise = moe.experts_per_token, moe.norm_topk_prob
-        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size)
+        self.top_k, self.renormalise, self.oai = moe.experts_per_token, moe.norm_topk_prob, moe.oai
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=moe.oai)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size, biases=moe.oai,
+                               gate=clamped_swiglu(moe.swiglu_alpha, moe.swiglu_limit) if moe.oai else None)
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpertMLP(cfg.hidden_size, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
@@ -211,7 +238,8 @@ class SparseMoeBlock(nn.Module):
 
     def _compiled_block(self) -> abi.Experts | None:
         router = getattr(self.gate, "weight", None)
-        if (kernels.library() is None or type(self.gate) is not Linear or router is None or self.gate.bias is not None
+        if (kernels.library() is None or self.oai or type(self.gate) is not Linear or router is None
+                or self.gate.bias is not None
                 or router.device.type != "cpu" or router.dtype != torch.float32 or not router.is_contiguous()):
             return None
         gate_up, down = expert_weight(self.experts.gate_up_proj), expert_weight(self.experts.down_proj)
@@ -228,7 +256,11 @@ class SparseMoeBlock(nn.Module):
             if kernels.library().brisk_moe_block(ctypes.byref(block), x.data_ptr(), x.shape[0], out.data_ptr()):
                 raise RuntimeError("brisk_moe_block refused weights _compiled_block accepted")  # a bug, not input
         else:
-            ids, weights = route(self.gate(x), self.top_k, self.renormalise)
+            logits = self.gate(x)
+            if self.oai:
+                ids, weights = route_top_logits(logits, self.top_k)
+            else:
+                ids, weights = route(logits, self.top_k, self.renormalise)
             out = self.experts(x, ids, weights)
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()

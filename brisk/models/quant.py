@@ -62,11 +62,16 @@ class QuantFormat:
     # kernels.IQ4_VALUES, with a float16 scale per 32 (IQ4_NL), or with `superblocks` a float16 d per 256 and
     # a signed sc per 32 (int8, IQ4_XS): w = d * sc * IQ4_VALUES[q]. The checkpoint stores the table (CODEBOOK).
     codebook: bool = False
+    # MXFP4 (GGUF MXFP4, gpt-oss's experts; tiled only, with `codebook`): E2M1 codes (int4's tiles) into
+    # kernels.MXFP4_VALUES with an E8M0 byte per 32 (`scales` uint8): w = 2^(e - 128) * MXFP4_VALUES[q]
+    e8m0: bool = False
 
     @property
     def name(self) -> str:
         if self.bits == 16:
             return HALF_NAMES[self.half]
+        if self.e8m0:
+            return "mxfp4"
         if self.codebook:
             return "iq4" + ("/k" if self.superblocks else "")
         return f"int{self.bits}" + ("+min" if self.has_mins else "") + ("/k" if self.superblocks else "")
@@ -75,6 +80,8 @@ class QuantFormat:
     def bits_per_weight(self) -> float:
         if self.bits == 16:
             return 16.0
+        if self.e8m0:
+            return self.bits + 8 / QK
         if self.superblocks:  # two 8-bit sub-scales per 32 weights (iq4: one), one or two float16 per 256
             return self.bits + (8 if self.codebook else 16) / QK + 16 * (2 if self.has_mins else 1) / (QK * kernels.SUPER)
         return self.bits + 16 * (2 if self.has_mins else 1) / QK
@@ -82,6 +89,8 @@ class QuantFormat:
     @property
     def kernel_bits(self) -> int:
         """The kernels' `bits` for this format (brisk.kernels.quant_matmul / dequantize)."""
+        if self.e8m0:
+            return kernels.MXFP4
         return kernels.IQ4 if self.codebook else self.bits
 
     @classmethod
@@ -96,11 +105,12 @@ class QuantFormat:
         else:  # uint8: int4, or tiled int2/int3/int5/int6 (told by their tiles' bytes a block)
             bits = {kernels.TILE_BYTES[b]: b for b in (2, 3, 5, 6)}.get(qweight.shape[-1], 4) if qweight.dim() == 3 else 4
         codebook = tensors.get(f"{prefix}.{CODEBOOK}")
-        if codebook is not None and codebook.tolist() != list(kernels.IQ4_VALUES):
-            raise BriskError(f"checkpoint tensor {prefix}.{CODEBOOK} holds {codebook.tolist()}, not the IQ4 table the "
-                             "kernels know; convert the model again")
+        table = None if codebook is None else tuple(codebook.tolist())
+        if table is not None and table not in (kernels.IQ4_VALUES, kernels.MXFP4_VALUES):
+            raise BriskError(f"checkpoint tensor {prefix}.{CODEBOOK} holds {list(table)}, not the IQ4 or MXFP4 table "
+                             "the kernels know; convert the model again")
         return cls(bits, f"{prefix}.mins" in tensors, qweight.dim() == 3, superblocks=f"{prefix}.subscales" in tensors,
-                   codebook=codebook is not None)
+                   codebook=codebook is not None, e8m0=table == kernels.MXFP4_VALUES)
 
 
 class _Blocks(nn.Module):
@@ -130,7 +140,7 @@ class _Blocks(nn.Module):
         else:
             qshape, sshape = ((rows, cols // 2) if fmt.bits == 4 else (rows, cols)), (rows, cols // QK)
         self.register_buffer("qweight", torch.empty(qshape, dtype=torch.int8 if fmt.bits == 8 else torch.uint8))
-        self.register_buffer("scales", torch.empty(sshape, dtype=torch.float16))
+        self.register_buffer("scales", torch.empty(sshape, dtype=torch.uint8 if fmt.e8m0 else torch.float16))
         if not fmt.superblocks:
             self.subscales = None
         if fmt.has_mins:
@@ -219,6 +229,9 @@ class QuantEmbedding(_Blocks):
         if self.fmt.bits in kernels.SIGNED_OFFSETS:
             rows = kernels.signed_rows(self.qweight[tiles], self.scales[tiles], self.subscales[tiles], self.fmt.bits)
             values = kernels.dequantize_signed(*(t[picked] for t in rows), self.fmt.bits, self.dtype)
+            return values.view(*ids.shape, self.embedding_dim)
+        if self.fmt.e8m0:
+            values = kernels.dequantize_mxfp4(self.qweight[tiles], self.scales[tiles], self.dtype)[picked]
             return values.view(*ids.shape, self.embedding_dim)
         if self.fmt.codebook:
             sub = None if self.subscales is None else self.subscales[tiles]

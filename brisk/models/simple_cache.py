@@ -37,7 +37,8 @@ class SingleSequenceCache:
         self.num_cached += self.num_new
         self.num_new = 0
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         start, end = self.num_cached, self.num_cached + self.num_new
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
@@ -53,5 +54,5 @@ class SingleSequenceCache:
             if window is not None:  # sliding window: position i sees i - window + 1 .. i
                 mask &= context > rows - window
         out = attend(query, keys, values, mask, mask is None and self.num_new > 1, self.scale,
-                     self.softcap)  # [1, num_heads, T, head_dim]
+                     self.softcap, sinks)  # [1, num_heads, T, head_dim]
         return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
