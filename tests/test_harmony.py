@@ -188,3 +188,63 @@ def test_replies_rendered_by_gpt_oss_own_template_parse_back(gpt_oss_template):
         parser = _whole(reply)
         assert (parser.reasoning, parser.content) == (reasoning, content), reply
         assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == calls, reply
+
+
+# -- forced calls in harmony's own syntax ------------------------------------------------------------------
+MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+           {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def harmony_compiler(demo):
+    """The demo's vocabulary with harmony's markers added as special tokens, as gpt-oss's tokenizer has them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from brisk.structured.compiler import GrammarCompiler
+
+    fast = Tokenizer.from_str(demo.tokenizer.fast.to_str())
+    fast.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in MARKERS])
+    compiler = GrammarCompiler(fast, 49152 + len(MARKERS), demo.tokenizer.eos_token_ids)
+    yield fast, compiler, demo.tokenizer.fast
+    compiler.close()
+
+
+def _accepts(compiler, spec, fast, pieces) -> bool:
+    """Whether the grammar takes these pieces in order (a marker as its token, text as `fast` splits it: the
+    demo's own tokenizer spells the markers as text) and is then complete."""
+    matcher = compiler.compile(spec).matcher()
+    for piece in pieces:
+        ids = [fast.token_to_id(piece)] if piece in MARKERS else fast.encode(piece, add_special_tokens=False).ids
+        for token in ids:
+            if not matcher.consume_token(token):
+                return False
+    return matcher.is_accepting()
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_forced_call_is_one_harmony_call_with_the_markers_as_tokens(harmony_compiler, choice):
+    """tool_choice required (or a named function) forces a call in harmony's syntax, an analysis message allowed
+    first; the markers must be the special tokens themselves: the same characters spelled as text are refused,
+    as are arguments outside the schema and a function the choice does not name."""
+    from brisk.structured.harmony import call_grammar
+    from brisk.structured.tools import ToolPlan
+
+    fast, compiler, as_text = harmony_compiler
+    plan = ToolPlan(WEATHER, "function" if choice != "required" else "required",
+                    None if choice == "required" else choice, True, "hermes")
+    spec = call_grammar(plan, set(MARKERS))
+    call = ["<|channel|>", "commentary to=functions.get_weather ", "<|constrain|>", "json", "<|message|>",
+            '{"city": "Paris"}', "<|call|>"]
+    thought = ["<|channel|>", "analysis", "<|message|>", "They want the weather.", "<|end|>", "<|start|>", "assistant"]
+    assert _accepts(compiler, spec, fast, call)
+    assert _accepts(compiler, spec, fast, thought + call)
+    assert not _accepts(compiler, spec, as_text, ["<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                                                  '<|message|>{"city": "Paris"}<|call|>'])  # markers as text
+    assert not _accepts(compiler, spec, fast, call[:5] + ['{"town": "Paris"}', "<|call|>"])
+    assert not _accepts(compiler, spec, fast, call[:-1])  # a call must end with <|call|>
+    time_call = ["<|channel|>", "commentary to=functions.get_time ", "<|constrain|>", "json", "<|message|>", "{}",
+                 "<|call|>"]
+    assert _accepts(compiler, spec, fast, time_call) == (choice == "required")
+    assert call_grammar(ToolPlan(WEATHER, "auto", None, True, "hermes"), set(MARKERS)) is None

@@ -300,3 +300,71 @@ def test_qwen3_moe_thinks_through_the_qwen3_reasoning_parser(built):
                 streamed["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
         assert streamed == {"reasoning_content": reasoning, "content": whole.content}
 
+
+def test_gpt_oss_replies_are_read_by_channel_through_the_sdk(built):
+    """gpt-oss with its own chat template (llama.cpp's copy of it) gets the harmony reader by default: a reply's
+    analysis channel comes back as reasoning_content, its final channel as content, and a commentary message to
+    functions.NAME as a tool call, whole and streamed, through the official SDK (the replies are written here by a
+    regex: the weights are random; the demo's vocabulary spells the markers as text, a real one as special tokens,
+    which the reader keeps in the text all the same)."""
+    import copy
+    import dataclasses
+
+    from brisk.engine.engine import LLMEngine
+    from brisk.config import CacheConfig
+    from brisk.engine.scheduler import SchedulerConfig
+
+    loaded = load(str(built("gptoss").gguf), max_model_len=MAX_LEN)
+    tokenizer = copy.copy(loaded.tokenizer)
+    tokenizer.set_chat_template((llamacpp_dir() / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text())
+    engine = LLMEngine(dataclasses.replace(loaded, tokenizer=tokenizer), CacheConfig(num_gpu_blocks_override=256),
+                       SchedulerConfig(max_model_len=MAX_LEN))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather now", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    with serve_engine(engine, served_model_name="gptoss") as live:
+        client = live.openai()
+        kw = dict(model="gptoss", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=80,
+                  temperature=0, reasoning_effort="low", extra_body={"guided_regex": (
+                      r"<\|channel\|>analysis<\|message\|>[a-z ]{3,20}<\|end\|>"
+                      r"<\|start\|>assistant<\|channel\|>final<\|message\|>[A-Za-z ]{3,20}")})
+        whole = client.chat.completions.create(**kw).choices[0].message
+        reasoning = whole.model_extra["reasoning_content"]
+        assert reasoning and whole.content and "<|" not in whole.content + reasoning
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed["content"] += c.delta.content or ""
+                streamed["reasoning_content"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+        assert streamed == {"reasoning_content": reasoning, "content": whole.content}
+
+        call_kw = dict(model="gptoss", messages=[{"role": "user", "content": "Paris?"}], max_tokens=74,
+                       temperature=0, tools=tools, extra_body={"guided_regex": (
+                           r"<\|channel\|>analysis<\|message\|>[a-z]{2,4}<\|end\|><\|start\|>assistant"
+                           r"<\|channel\|>commentary to=functions\.get_weather <\|constrain\|>json<\|message\|>"
+                           r'\{"city": "[A-Z][a-z]{1,3}"\}<\|call\|>')})
+        choice = client.chat.completions.create(**call_kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.model_extra["reasoning_content"]
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+        names, arguments = [], ""
+        for chunk in client.chat.completions.create(stream=True, **call_kw):
+            for c in chunk.choices:
+                for delta in c.delta.tool_calls or []:
+                    names += [delta.function.name] if delta.function and delta.function.name else []
+                    arguments += (delta.function.arguments or "") if delta.function else ""
+        assert names == ["get_weather"] and arguments == call.function.arguments
+        # a forced call, in harmony's own syntax (the demo's vocabulary spells its markers as text); the grammar
+        # lets the model think first, which random weights would do until max_tokens: logit_bias steers them off
+        # every token that could begin "analysis" after <|channel|>
+        vocab = tokenizer.fast.get_vocab()
+        no_thinking = {str(i): -100 for t, i in vocab.items() if tokenizer.fast.decode([i]) and
+                       "analysis".startswith(tokenizer.fast.decode([i]))}
+        forced = client.chat.completions.create(model="gptoss", messages=[{"role": "user", "content": "Paris?"}],
+                                                tools=[{**tools[0], "function": {**tools[0]["function"], "parameters": {
+                                                    "type": "object", "required": ["city"], "properties": {
+                                                        "city": {"enum": ["Paris", "Oslo"]}}}}}],  # (no long strings)
+                                                tool_choice="required", max_tokens=74, temperature=0,
+                                                logit_bias=no_thinking)
+        assert forced.choices[0].message.tool_calls, forced.choices[0]
+        (call,) = forced.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")

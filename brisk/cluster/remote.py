@@ -73,7 +73,7 @@ class RemoteEngine:
         self._tokenizer = Tokenizer(FastTokenizer.from_str(info["tokenizer_json"]), config,
                                     tuple(info["eos_token_ids"]))
         self.model_info = ModelInfo(info["dtype"], info["device"], dict(info["load_phases_ms"]),
-                                    info["load_total_ms"])
+                                    info["load_total_ms"], info.get("architecture", ""))
         self._tasks: dict[str, tuple[asyncio.Task, Any]] = {}
         self._open: dict[str, tuple[asyncio.Queue, Any]] = {}  # request id -> its HTTP sink, until it ends
         self._stopped = False

@@ -77,6 +77,7 @@ class EngineReplica:
             "eos_token_ids": list(tok.eos_token_ids),
             "load_phases_ms": model.load_phases_ms,
             "load_total_ms": model.load_total_ms,
+            "architecture": model.architecture,
             "pooling": dataclasses.asdict(engine.pooling) if engine.pooling is not None else None,
         }
 

@@ -56,7 +56,7 @@ class AsyncLLMEngine:
     def model_info(self) -> ModelInfo:
         loaded = self.engine.loaded
         return ModelInfo(str(loaded.dtype).split(".")[-1], str(loaded.device), dict(loaded.report.phases_ms),
-                         loaded.report.total_ms)
+                         loaded.report.total_ms, loaded.config.architecture)
 
     @property
     def tokenizer(self):

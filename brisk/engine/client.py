@@ -21,6 +21,7 @@ class ModelInfo:
     device: str  # "cpu", "cuda:0"
     load_phases_ms: dict[str, float] = field(default_factory=dict)
     load_total_ms: float = 0.0
+    architecture: str = ""  # the model's HF architecture (GptOssForCausalLM: replies in harmony)
 
 
 @runtime_checkable

@@ -27,9 +27,10 @@ def _model_arguments(model) -> None:
     model.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="a Jinja chat template, as a file or inline, instead of the model's own; "
                             "`chatml_tools` names the ChatML template with tool calling that brisk ships")
-    model.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+    model.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3", "gpt-oss"],
                        help="put a reasoning model's <think>...</think> into the reply's reasoning_content "
-                            "(Qwen3: qwen3; DeepSeek-R1 and its distills: deepseek_r1)")
+                            "(Qwen3: qwen3; DeepSeek-R1 and its distills: deepseek_r1); gpt-oss: its harmony "
+                            "channels into reasoning, content and tool calls (gpt-oss models get it by default)")
     model.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "json", "mistral"],
                        help="how tool calls are written: auto (from the chat template, default), hermes "
                             "(<tool_call>, Qwen/Hermes), json (Llama 3.x), mistral ([TOOL_CALLS])")

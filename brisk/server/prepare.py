@@ -16,6 +16,8 @@ from brisk.server.errors import APIError
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 from brisk.server.responses import ChatFormatter, CompletionFormatter, Formatter
 from brisk.server.responses_api import ResponsesFormatter, ResponsesRequest, chat_request, response_id
+from brisk.server.reasoning import HARMONY
+from brisk.structured import harmony
 from brisk.server.state import ServerState
 from brisk.structured.compiler import CompiledGrammar
 from brisk.structured.spec import GrammarSpec, from_request as grammar_spec
@@ -78,7 +80,16 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     tok = state.tokenizer
     tools = _spec(lambda: tool_plan(body, tok.chat_template_source, tok.template_variables,
                                     state.config.tool_call_parser))
-    spec = _spec(lambda: _one_constraint(grammar_spec(body), tool_grammar(tools) if tools else None))
+
+    def forced_calls():
+        if tools is None:
+            return None
+        if state.reasoning_parser == HARMONY:  # gpt-oss: calls in harmony's own syntax
+            special = {t.content for t in tok.fast.get_added_tokens_decoder().values() if t.special}
+            return harmony.call_grammar(tools, special)
+        return tool_grammar(tools)
+
+    spec = _spec(lambda: _one_constraint(grammar_spec(body), forced_calls()))
     tool_defs = tools.tools if tools else None
     template_kwargs = reasoning_kwargs(tok.template_variables, body.reasoning_effort, body.chat_template_kwargs)
     guard = await _guard(state, lambda: guard_chat(
@@ -87,10 +98,12 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     grammar = await _grammar(state, spec)
     params = _sampling_params(body, guard.max_tokens, num_top, grammar)
-    if tools is not None and tools.parses and tools.parallel:
+    parser = state.reasoning_parser
+    if parser == HARMONY:  # the channel markers are special tokens: the parser reads them in the text
+        params.skip_special_tokens = False
+    elif tools is not None and tools.parses and tools.parallel:
         params.tool_plan = tools  # the engine ends a reply that loops on one call
-    fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None,
-                        state.config.reasoning_parser)
+    fmt = ChatFormatter(_new_id("chatcmpl"), state, body.logprobs, tools if tools and tools.parses else None, parser)
     return Prepared(fmt, [guard], params)
 
 

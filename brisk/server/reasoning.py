@@ -12,6 +12,7 @@ from __future__ import annotations
 
 THINK, END_THINK = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
+HARMONY = "gpt-oss"  # gpt-oss's harmony channels: brisk.structured.harmony, not a <think> splitter
 
 
 class ReasoningSplitter:

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from brisk.engine.outputs import RequestOutput
 from brisk.server.context_guard import GuardResult
-from brisk.server.reasoning import ReasoningSplitter
+from brisk.server.reasoning import HARMONY, ReasoningSplitter
+from brisk.structured.harmony import HarmonyParser
 from brisk.structured.tools import ToolCallParser, ToolDelta, ToolPlan, merged
 
 _TIMING_KEYS = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms")
@@ -110,12 +111,28 @@ class _ChoiceReply:
     calls (a tool plan). Streamed and whole replies are read the same way, so they agree."""
 
     def __init__(self, tools: ToolPlan | None, reasoning_parser: str | None):
-        self.thinking = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
-        self.tools = ToolCallParser(tools) if tools is not None else None
+        # gpt-oss: its harmony channels carry reasoning, content and calls alike (brisk.structured.harmony)
+        self.harmony = HarmonyParser() if reasoning_parser == HARMONY else None
+        self.thinking = ReasoningSplitter(reasoning_parser) if reasoning_parser and not self.harmony else None
+        self.tools = ToolCallParser(tools) if tools is not None and not self.harmony else None
         self.content = ""
+
+    @property
+    def reasoning(self) -> str:
+        if self.harmony:
+            return self.harmony.reasoning
+        return self.thinking.reasoning if self.thinking else ""
 
     def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolDelta]]:
         """(reasoning, content, call deltas) of this much more text (and of the end, when finished)."""
+        if self.harmony:
+            step = self.harmony.feed(text)
+            if finished:
+                end = self.harmony.finish()
+                step.reasoning, step.content = step.reasoning + end.reasoning, step.content + end.content
+                step.tool_calls += end.tool_calls
+            self.content += step.content
+            return step.reasoning, step.content, step.tool_calls
         reasoning, answer = self.thinking.feed(text) if self.thinking else ("", text)
         if finished and self.thinking:
             more_reasoning, more_answer = self.thinking.finish()
@@ -129,12 +146,13 @@ class _ChoiceReply:
 
     @property
     def calls(self) -> list[dict[str, Any]]:
-        return [c.as_openai() for c in self.tools.calls] if self.tools else []
+        parser = self.harmony or self.tools
+        return [c.as_openai() for c in parser.calls] if parser else []
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """OpenAI's "tool_calls" for a reply that ended by itself with calls; one cut inside a call
         stays "length"."""
-        if self.calls and engine_reason == "stop" and not self.tools.cut:
+        if self.calls and engine_reason == "stop" and not (self.harmony or self.tools).cut:
             return "tool_calls"
         return engine_reason
 
@@ -202,7 +220,7 @@ class ChatFormatter(Formatter):
             out, reply = finals[index], self._reply(index)
             message: dict[str, Any] = {"role": "assistant", "content": reply.content or None, "refusal": None}
             if self.reasoning_parser:
-                message["reasoning_content"] = (reply.thinking.reasoning or None) if reply.thinking else None
+                message["reasoning_content"] = reply.reasoning or None
             if reply.calls:
                 message["tool_calls"] = reply.calls
             elif not message["content"] and not self.reasoning_parser:

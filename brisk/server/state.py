@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from brisk.loading.report import LoadReport
 from brisk.metrics.prometheus import ServerMetrics
 from brisk.server.context_guard import ContextPolicy
+from brisk.server.reasoning import HARMONY
 from brisk.errors import BriskError
 from brisk.server.errors import APIError
 from brisk.server.protocol import MAX_CHOICES
@@ -132,6 +133,14 @@ class ServerState:
         self.responses = ResponseStore()  # the Responses API's stored responses (store: true), in memory
         if engine is not None:
             self._set_ready(engine)
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """--reasoning-parser, or the model family's own: gpt-oss replies in harmony (brisk.structured.harmony)."""
+        if self.config.reasoning_parser:
+            return self.config.reasoning_parser
+        engine = self.engine
+        return HARMONY if engine is not None and engine.model_info.architecture == "GptOssForCausalLM" else None
 
     # -- loading ----------------------------------------------------------------
     def start_loading(self) -> None:

@@ -27,11 +27,13 @@ pieces give the same result: everything goes through the same per-piece steps.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass, field
 
-from brisk.structured.tools import ToolCall, ToolDelta
+from brisk.structured.spec import GrammarSpec
+from brisk.structured.tools import ToolCall, ToolDelta, ToolPlan, json_for_lark, strict_parameters
 from brisk.text import held_back_length
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -42,6 +44,34 @@ HEADER_STARTS = (START, "assistant", "to=", CHANNEL, CONSTRAIN)
 _CHANNEL_RE = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 _RECIPIENT_RE = re.compile(r"\bto=([^\s<]+)")
 FUNCTIONS = "functions."
+
+
+def call_grammar(plan: ToolPlan, special: set[str]) -> GrammarSpec | None:
+    """tool_choice `required` or a named function, forced in harmony's own syntax: an optional analysis message,
+    then one call, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>`
+    (a harmony reply holds one call: `<|call|>` ends it). `special`: the markers the tokenizer has as special
+    tokens (a Lark grammar names those bare, so that only the token itself matches); the others are text. None
+    for `auto` and `none`, which leave the model free."""
+    if plan.choice in ("auto", "none"):
+        return None
+
+    def mark(marker: str) -> str:
+        return marker if marker in special else json.dumps(marker)
+
+    # a thought runs to <|end|>: any text where the markers are tokens, text without "<" where they are text
+    thought = "/(.|\\n)*/" if END in special else "/[^<]*/"
+    calls = []
+    for i, tool in enumerate(t for t in plan.tools if plan.choice == "required" or t["function"]["name"] == plan.function):
+        fn = tool["function"]
+        params = strict_parameters(fn.get("parameters") or {"type": "object", "properties": {}})
+        header = json.dumps(f"commentary to={FUNCTIONS}{fn['name']} ")
+        calls.append(f'call{i}: {mark(CHANNEL)} {header} '
+                     f'{mark(CONSTRAIN)} "json" {mark(MESSAGE)} %json {json_for_lark(params)} {mark(CALL)}')
+    lark = "\n".join([
+        "start: analysis? (" + " | ".join(f"call{i}" for i in range(len(calls))) + ")",
+        f'analysis: {mark(CHANNEL)} "analysis" {mark(MESSAGE)} {thought} {mark(END)} {mark(START)} "assistant"',
+        *calls]) + "\n"
+    return GrammarSpec("lark", lark, "tool_choice")
 
 
 @dataclass

@@ -162,7 +162,7 @@ def grammar(plan: ToolPlan) -> GrammarSpec | None:
     tools = [t for t in plan.tools if plan.choice == "required" or t["function"]["name"] == plan.function]
     many = plan.parallel and plan.choice == "required"
     if plan.style == "hermes":
-        call_rule = f'call: "{OPEN}\\n" %json {_json(_calls_schema(tools, "arguments", "#"))} "\\n{CLOSE}"'
+        call_rule = f'call: "{OPEN}\\n" %json {json_for_lark(_calls_schema(tools, "arguments", "#"))} "\\n{CLOSE}"'
         return GrammarSpec("lark", f'{"start: call (chr10 call)*" if many else "start: call"}\n'
                                    f'{call_rule}\nchr10: "\\n"\n', "tool_choice")
     args_key = "parameters" if plan.style == "json" else "arguments"
@@ -173,13 +173,14 @@ def grammar(plan: ToolPlan) -> GrammarSpec | None:
     else:
         calls = _calls_schema(tools, args_key, "#")
     prefix = f'"{MISTRAL_OPEN}" ' if plan.style == "mistral" else ""
-    return GrammarSpec("lark", f"start: {prefix}%json {_json(calls)}\n", "tool_choice")
+    return GrammarSpec("lark", f"start: {prefix}%json {json_for_lark(calls)}\n", "tool_choice")
 
 
-def _json(schema: dict[str, Any]) -> str:
+def json_for_lark(schema: dict[str, Any]) -> str:
     """A schema for Lark's %json, with the JSON layout of response_format's: no free whitespace (a
     small model given it pads forever), ", " and ": " as separators."""
     return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
 
 
 # -- reading calls ------------------------------------------------------------------------
