@@ -123,11 +123,11 @@ class ModelConfig:
 
     @property
     def stack_compiles(self) -> bool:
-        """Llama's block, with q/k norms and routed experts allowed (what brisk's compiled decode stack runs):
-        the other families' extras off, and no shared expert."""
+        """Llama's block, with q/k norms, biases, attention sinks and routed experts (gpt-oss's too) allowed
+        (what brisk's compiled decode stack runs): the other families' extras off, and no shared expert."""
         return (self.hidden_act == "silu" and not self.sandwich_norms and self.attn_softcap is None
-                and self.sliding_rope is None and not self.nope_layers and not self.o_bias and not self.attention_sinks
-                and (self.moe is None or not (self.moe.shared_expert_intermediate_size or self.moe.oai)))
+                and self.sliding_rope is None and not self.nope_layers
+                and (self.moe is None or not self.moe.shared_expert_intermediate_size))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers

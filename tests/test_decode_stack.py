@@ -171,16 +171,21 @@ FAMILIES = {
                    expert_ffn=256, arch="olmoe"),
     "mixtral": Shape(hidden=256, layers=2, ffn=256, heads=4, kv_heads=2, context=128, experts=4, experts_used=2,
                      expert_ffn=256),
+    # gpt-oss: sinks, biases on q/k/v/o, router and experts, the clamped SwiGLU, top-k-then-softmax routing
+    "gptoss": Shape(hidden=256, layers=2, ffn=256, heads=4, kv_heads=2, context=128, head_dim=64, experts=8,
+                    experts_used=2, expert_ffn=256, arch="gpt-oss"),
 }
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family,qtype", [(f, q) for f in sorted(FAMILIES) for q in ("Q4_K_M", "Q8_0")]
+                         + [("gptoss", "MXFP4_MOE")])
 def test_qk_norms_and_experts_are_bit_identical(family, qtype, tmp_path_factory, brisk_cache):
     path = write_random_gguf(tmp_path_factory.mktemp("fam") / f"{family}-{qtype}.gguf", FAMILIES[family], qtype,
                              None, random_norms=True)
     loaded = load(str(path), max_model_len=128, warmup=False)
-    assert loaded.config.qk_norm == {"qwen3": "head", "qwen3moe": "head", "olmoe": "full", "mixtral": None}[family]
+    assert loaded.config.qk_norm == {"qwen3": "head", "qwen3moe": "head", "olmoe": "full", "mixtral": None,
+                                     "gptoss": None}[family]
+    assert loaded.config.attention_sinks == (family == "gptoss")
     assert (loaded.config.moe is not None) == (family != "qwen3")
     gen = torch.Generator().manual_seed(17)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 2, 17, 30)]

@@ -168,7 +168,7 @@ def test_the_compiled_block_routes_and_computes_as_the_torch_path(kind, tmp_path
     with torch.inference_mode():
         ids = torch.empty(37, MOE.experts_used, dtype=torch.int64)
         weights = torch.empty(37, MOE.experts_used)
-        kernels.library().brisk_moe_route(x.data_ptr(), block.gate.weight.data_ptr(), 37, MOE.experts, MOE.hidden,
+        kernels.library().brisk_moe_route(x.data_ptr(), block.gate.weight.data_ptr(), None, 37, MOE.experts, MOE.hidden,
                                           MOE.experts_used, 1, ids.data_ptr(), weights.data_ptr())
         ref_ids, ref_weights = route(torch.nn.functional.linear(x, block.gate.weight), MOE.experts_used, True)
         assert torch.equal(ids, ref_ids)
@@ -176,6 +176,40 @@ def test_the_compiled_block_routes_and_computes_as_the_torch_path(kind, tmp_path
         compiled = block(x)
         reference = block.experts(x, ref_ids, ref_weights)
     torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-5)
+
+
+OSS = Shape(hidden=256, layers=2, ffn=256, heads=4, kv_heads=2, context=128, head_dim=64, experts=8, experts_used=2,
+            expert_ffn=256, arch="gpt-oss")
+
+
+def test_gpt_oss_compiled_block_routes_and_computes_as_the_torch_path(tmp_path_factory, brisk_cache, monkeypatch):
+    """gpt-oss's block in moe.cpp (router bias, top-k logits softmaxed, expert biases, the clamped SwiGLU) against
+    the torch path over the same MXFP4 experts, which transformers' GptOssMLP is the reference of
+    (tests/test_model_families.py, tests/test_gpt_oss.py): the same experts, the same weights, outputs equal up to
+    float rounding; and each row's bits the same alone and in a batch."""
+    from brisk.models.moe import route_top_logits
+
+    gguf_path = write_random_gguf(tmp_path_factory.mktemp("oss") / "oss.gguf", OSS, "MXFP4_MOE", None)
+    block = load(str(gguf_path), warmup=False).model.model.layers[1].mlp
+    assert block.compiled() is not None and block.compiled().oai == 1
+    x = torch.randn(37, OSS.hidden, generator=torch.Generator().manual_seed(5)) * 4  # gates past the clamp's limit
+    with torch.inference_mode():
+        ids = torch.empty(37, OSS.experts_used, dtype=torch.int64)
+        weights = torch.empty(37, OSS.experts_used)
+        kernels.library().brisk_moe_route(x.data_ptr(), block.gate.weight.data_ptr(), block.gate.bias.data_ptr(), 37,
+                                          OSS.experts, OSS.hidden, OSS.experts_used, 2, ids.data_ptr(),
+                                          weights.data_ptr())
+        ref_ids, ref_weights = route_top_logits(torch.nn.functional.linear(x, block.gate.weight, block.gate.bias),
+                                                OSS.experts_used)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-4, atol=1e-5)  # logits summed in another order
+        compiled = block(x)
+        with monkeypatch.context() as m:
+            m.setattr(block, "compiled", lambda: None)
+            torch_path = block(x)
+        for r in (0, 11, 36):
+            assert torch.equal(block(x[r:r + 1].clone())[0], compiled[r])
+    torch.testing.assert_close(compiled, torch_path, rtol=1e-4, atol=1e-5)
 
 
 def test_greedy_tokens_do_not_depend_on_the_batch(brisk_cache, tmp_path_factory):

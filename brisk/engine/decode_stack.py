@@ -112,8 +112,12 @@ class DecodeStack:
                 if not dense:  # a mixture of experts: its own weights in `moe`
                     weights += [abi.QuantWeight(), abi.QuantWeight()]
                 weights.append(qkv and qkv[1])
-                if any(w is None for w in weights) or any(m.bias is not None for m in (attn.o_proj, *dense)):
-                    reason = f"layer {i} has float (or biased) projections"
+                if any(w is None for w in weights) or any(m.bias is not None for m in dense):
+                    reason = f"layer {i} has float (or biased MLP) projections"
+                    break
+                sinks = attn.sinks
+                if sinks is not None and not _f32_vector(sinks):
+                    reason = f"layer {i}'s attention sinks are not float32"
                     break
                 if isinstance(mlp, SparseMoeBlock) and experts is None:
                     reason = f"layer {i}'s experts are not packed in a type the compiled block takes"
@@ -130,7 +134,7 @@ class DecodeStack:
                                         None if v_scale is None else v_scale.data_ptr(), window or 0,
                                         {None: 0, "head": 1, "full": 2}[attn.qk_norm],
                                         *((w.data_ptr() for w in qk_norms) if qk_norms else (None, None)),
-                                        experts or abi.Experts()))
+                                        experts or abi.Experts(), None if sinks is None else sinks.data_ptr()))
             if reason is None and not _f32_vector(model.model.norm.weight):
                 reason = "final norm is not float32"
         if reason is not None:

@@ -20,13 +20,14 @@ class ExpertWeight(ctypes.Structure):  # BriskExpertWeight
 
 class Experts(ctypes.Structure):  # BriskExperts
     _fields_ = [("router", _p), ("gate_up", ExpertWeight), ("down", ExpertWeight), ("num", _i64), ("top_k", _i64),
-                ("renorm", _i64)]
+                ("renorm", _i64), ("router_bias", _p), ("gate_up_bias", _p), ("down_bias", _p), ("oai", _i64),
+                ("swiglu_alpha", _f32), ("swiglu_limit", _f32)]
 
 
 class Layer(ctypes.Structure):  # BriskLayer
     _fields_ = [("qkv", QuantWeight), ("o", QuantWeight), ("gate_up", QuantWeight), ("down", QuantWeight),
                 ("qkv_rest", QuantWeight), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
-                ("window", _i64), ("qk_norm", _i64), ("q_norm", _p), ("k_norm", _p), ("moe", Experts)]
+                ("window", _i64), ("qk_norm", _i64), ("q_norm", _p), ("k_norm", _p), ("moe", Experts), ("sinks", _p)]
 
 
 class Dims(ctypes.Structure):  # BriskDims
@@ -45,7 +46,7 @@ SIGNATURES = {
     "brisk_quant_matmul_experts": ([_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i32, _i64, _i64, _p, _p,
                                     _p, _p, _p], _i32),
     "brisk_kernels_isa": ([], _i32),
-    "brisk_moe_route": ([_p, _p, _i64, _i64, _i64, _i64, _i32, _p, _p], None),
+    "brisk_moe_route": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i32, _p, _p], None),
     "brisk_moe_block": ([ctypes.POINTER(Experts), _p, _i64, _p], _i32),
     "brisk_kernels_force_isa": ([_i32], None),
     "brisk_half_matmul": ([_p, _p, _i32, _i64, _i64, _i64, _p], _i32),

@@ -29,10 +29,17 @@ struct BriskExpertWeight {
 
 // A mixture-of-experts MLP (moe.cpp): the router [num, hidden] float32, each expert's gate and up rows
 // [2 * inter, hidden] and down [hidden, inter], the top_k experts a token takes, renormalised or not.
+// gpt-oss (`oai` 1): the router's bias [num], the top k logits softmaxed among themselves, each expert's biases
+// (gate_up_bias [num, 2 * inter]: gate's then up's; down_bias [num, hidden]) and the clamped SwiGLU.
 struct BriskExperts {
     const float* router;
     BriskExpertWeight gate_up, down;
     int64_t num, top_k, renorm;
+    const float* router_bias;  // null: none
+    const float* gate_up_bias;
+    const float* down_bias;
+    int64_t oai;
+    float swiglu_alpha, swiglu_limit;
 };
 
 // One decoder layer of the compiled decode step (decoder.cpp).
@@ -54,6 +61,7 @@ struct BriskLayer {
     const float* q_norm;
     const float* k_norm;
     BriskExperts moe;  // router null: the dense MLP (gate_up, down)
+    const float* sinks;  // [heads]: gpt-oss's attention sinks; null: none
 };
 
 struct BriskDims {
@@ -90,10 +98,11 @@ int brisk_quant_matmul_experts(const float* x, const uint8_t* wq, const uint16_t
 int brisk_kernels_isa();
 void brisk_kernels_force_isa(int isa);
 
-// moe.cpp: the router's top k of each row of x [rows, H]: ids [rows, k] int64 by probability (highest first)
-// and their weights [rows, k] (softmax probabilities, renormalised to sum 1 where renorm)
-void brisk_moe_route(const float* x, const float* router, int64_t rows, int64_t E, int64_t H, int64_t k, int renorm,
-                     int64_t* ids, float* weights);
+// moe.cpp: the router's top k of each row of x [rows, H] (router_bias [E] added where not null): ids [rows, k]
+// int64 by probability (highest first) and their weights [rows, k]. mode 0: softmax probabilities; 1: those
+// renormalised to sum 1; 2 (gpt-oss): the top k logits, softmaxed among themselves
+void brisk_moe_route(const float* x, const float* router, const float* router_bias, int64_t rows, int64_t E,
+                     int64_t H, int64_t k, int mode, int64_t* ids, float* weights);
 // out [rows, hidden] = the mixture of experts of x [rows, hidden]; 0, or 1 for weights it does not take
 int brisk_moe_block(const BriskExperts* m, const float* x, int64_t rows, float* out);
 

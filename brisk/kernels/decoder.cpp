@@ -6,10 +6,10 @@
 // the two paths give bit-identical results (tests/test_decode_stack.py holds them to it).
 //
 // Applies to layers whose four projections are brisk's quantized linears (quant_matmul.cpp) or
-// 16-bit float ones (half_matmul.cpp), q/k/v in one weight or two (`qkv_rest`), q/k norms (Qwen3's per
-// head, OLMoE's over the projection), an MLP that is dense or a mixture of experts (moe.cpp, the
-// function the Python path calls too), float32 activations, and K/V read in place by the paged kernel
-// (paged_attention.cpp).
+// 16-bit float ones (half_matmul.cpp), q/k/v in one weight or two (`qkv_rest`), biases on q/k/v and o,
+// q/k norms (Qwen3's per head, OLMoE's over the projection), attention sinks (gpt-oss), an MLP that is
+// dense or a mixture of experts (moe.cpp, the function the Python path calls too: gpt-oss's included),
+// float32 activations, and K/V read in place by the paged kernel (paged_attention.cpp).
 // brisk/engine/decode_stack.py checks that and builds the per-layer table once.
 
 #include <cstdint>
@@ -95,7 +95,7 @@ int brisk_decode_stack(const Layer* layers, int64_t num_layers, const Dims* dims
                                                       L.v_scale, block_tables,
                                                       max_blocks, context_lens, rows, d.heads, d.kv_heads,
                                                       d.head_dim, d.block_size, d.scale, d.part_tokens, L.window,
-                                                      0.f, nullptr, s.attn);
+                                                      0.f, L.sinks, s.attn);
         if (code) return code;
         matmul(L.o, s.attn, rows, s, s.proj);
         brisk_rms_norm(s.proj, residual, L.post_norm, s.x, rows, d.hidden, d.eps);

@@ -223,6 +223,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=moe.oai)
         self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size, biases=moe.oai,
                                gate=clamped_swiglu(moe.swiglu_alpha, moe.swiglu_limit) if moe.oai else None)
+        self.swiglu = (moe.swiglu_alpha, moe.swiglu_limit)
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpertMLP(cfg.hidden_size, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
@@ -238,14 +239,20 @@ class SparseMoeBlock(nn.Module):
 
     def _compiled_block(self) -> abi.Experts | None:
         router = getattr(self.gate, "weight", None)
-        if (kernels.library() is None or self.oai or type(self.gate) is not Linear or router is None
-                or self.gate.bias is not None
-                or router.device.type != "cpu" or router.dtype != torch.float32 or not router.is_contiguous()):
+        if (kernels.library() is None or type(self.gate) is not Linear or router is None
+                or (self.gate.bias is not None) != self.oai or not _cpu_f32(router)):
             return None
         gate_up, down = expert_weight(self.experts.gate_up_proj), expert_weight(self.experts.down_proj)
         if gate_up is None or down is None:
             return None
-        return abi.Experts(router.data_ptr(), gate_up, down, self.experts.num_experts, self.top_k, int(self.renormalise))
+        block = abi.Experts(router.data_ptr(), gate_up, down, self.experts.num_experts, self.top_k, int(self.renormalise))
+        if self.oai:  # gpt-oss: the router's and the experts' biases, the clamped SwiGLU
+            biases = (self.gate.bias, self.experts.gate_up_proj_bias, self.experts.down_proj_bias)
+            if not all(_cpu_f32(b) for b in biases):
+                return None
+            block.router_bias, block.gate_up_bias, block.down_bias = (b.data_ptr() for b in biases)
+            block.oai, block.swiglu_alpha, block.swiglu_limit = 1, self.swiglu[0], self.swiglu[1]
+        return block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (the post-attention norm's output) -> [T, H]."""
@@ -265,6 +272,10 @@ class SparseMoeBlock(nn.Module):
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
         return out.to(x.dtype)
+
+
+def _cpu_f32(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
 def expert_weight(linear: nn.Module) -> abi.ExpertWeight | None:
