@@ -194,3 +194,127 @@ def test_brisk_serve_with_an_unwritable_folder_is_one_line_before_anything_loads
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("brisk: error: --kv-cache-dir") and "cannot write there" in lines[-1], proc.stderr
     assert "Traceback" not in proc.stderr and "listening" not in proc.stderr  # pre-flight: before the port is bound
+
+
+# -- several writers, and writers killed mid-write --------------------------------------------------------------
+def _payload(block_hash: bytes, size: int) -> bytes:
+    """A block's bytes as a function of its hash (two writers of one block write the same bytes, as in serving)."""
+    return (block_hash * (size // len(block_hash) + 1))[:size]
+
+
+def _write_blocks(folder, budget, size, seed, count, shared):
+    """One process's writes: half to blocks every writer writes, half to its own."""
+    import hashlib
+    import random
+
+    tier = DiskTier(folder, "concurrent", budget, size)
+    rng = random.Random(seed)
+    for i in range(count):
+        key = f"shared-{rng.randrange(shared)}" if rng.random() < 0.5 else f"own-{seed}-{i}"
+        block_hash = hashlib.blake2b(key.encode(), digest_size=16).digest()
+        tier.put(block_hash, _payload(block_hash, size))
+        if i % 16 == 0:
+            tier.flush()  # interleave with the other processes instead of queueing everything first
+    tier.close()
+
+
+def _every_file_reads_back(folder, budget, size) -> int:
+    reader = DiskTier(folder, "concurrent", budget, size)
+    files = list(reader.folder.glob("*.kvb"))
+    for f in files:
+        block_hash = bytes.fromhex(f.stem)
+        assert reader.get(block_hash) == _payload(block_hash, size), f
+    assert reader.stats.corrupt == 0 and not list(reader.folder.glob(".*.tmp"))
+    reader.close()
+    return len(files)
+
+
+@pytest.mark.parametrize("budget_blocks", [10_000, 40])
+def test_several_processes_write_one_folder_safely(tmp_path, budget_blocks):
+    """Three processes writing one folder at once, half of their blocks the same ones: every file there reads back
+    whole and right, and with a budget smaller than what they write, the folder is within it once they stop."""
+    import multiprocessing
+
+    size = 4096
+    budget = budget_blocks * (size + 64)
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_write_blocks, args=(tmp_path, budget, size, seed, 120, 60)) for seed in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=120)
+        assert w.exitcode == 0
+    files = _every_file_reads_back(tmp_path, budget, size)
+    if budget_blocks < 100:
+        assert sum(f.stat().st_size for f in (tmp_path / "concurrent").glob("*.kvb")) <= budget
+    else:
+        assert 3 * 60 <= files <= 60 + 3 * 120  # every distinct block, once
+
+
+KILL_SCRIPT = """
+import sys, time
+from brisk.loading.loader import load
+sys.path.insert(0, {tests!r})
+from test_kv_disk_tier import engine, prompt
+demo = load("smollm2-135m-instruct")
+eng = engine(demo, {folder!r})
+eng.add_request(prompt(demo, {question!r}), __import__("test_kv_disk_tier").GREEDY)
+print("running", flush=True)
+while True:
+    if not eng.has_unfinished_requests():
+        eng.add_request(prompt(demo, {question!r} + " again"), __import__("test_kv_disk_tier").GREEDY)
+    eng.step()
+"""
+
+
+def test_kill_9_during_writes_never_gives_a_different_token(demo, tmp_path):
+    """A bounded loop: an engine process writing blocks is killed (SIGKILL, no drain) at a random moment, three
+    times, each on another prompt; then an engine on the folder answers all three exactly as a cold engine does,
+    every file left there reads back whole, and no temporary file of a dead writer is left behind."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    folder = tmp_path / "kv"
+    questions = ["Do you fix flat tyres?", "Where is my order?", "Can I return a helmet?"]
+    rng = random.Random(7)
+    for question in questions:
+        script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), folder=str(folder), question=question)
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+        try:
+            assert proc.stdout.readline().strip() == "running"
+            before = len(list(folder.rglob("*.kvb")))
+            deadline = time.monotonic() + 120
+            while len(list(folder.rglob("*.kvb"))) == before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside the writes
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    reference = engine(demo, None, prefix=False)
+    cold = [run(reference, [prompt(demo, q)])[0][0] for q in questions]
+    warm = engine(demo, folder)
+    assert not list(warm.disk.folder.glob(".*.tmp"))  # the dead writers' temporary files were removed
+    results = [run(warm, [prompt(demo, q)])[0] for q in questions]
+    assert [tokens for tokens, _ in results] == cold
+    assert warm.disk.stats.hits > 0 and warm.disk.stats.corrupt == 0
+    warm.close()
+
+
+def test_a_dead_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "tmpfiles"
+    folder.mkdir()
+    orphan = folder / f".{'ab' * 16}.kvb.{int(dead.stdout)}.1.tmp"
+    live = folder / f".{'cd' * 16}.kvb.{os.getpid()}.1.tmp"
+    for f in (orphan, live):
+        f.write_bytes(b"half a block")
+    DiskTier(tmp_path, "tmpfiles", 2**20, 1024).close()
+    assert not orphan.exists() and live.exists()

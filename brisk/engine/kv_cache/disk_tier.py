@@ -9,7 +9,10 @@ Files are written whole to a temporary name and renamed into place (a reader nev
 block; several processes may share one folder, and two writers of one block write the same bytes),
 and carry a checksum: a truncated, corrupt or foreign file is a miss and is removed. The folder's
 size is held under `max_bytes` by removing the least recently used files (reads refresh a file's
-time). Writes go through a bounded queue to one background thread: a step never waits for the disk
+time); with several writers, each measures the folder again every RESCAN_EVERY writes and when it closes,
+so the folder may pass its budget by what the writers wrote in between, and is back under it when they
+stop. A process killed mid-write leaves a temporary file, never a `.kvb`; the next tier on the folder
+removes the temporary files of writers that are gone. Writes go through a bounded queue to one background thread: a step never waits for the disk
 to write; reads happen when the scheduler admits a request (a disk read of a few hundred KB per
 block, instead of recomputing it).
 
@@ -35,6 +38,8 @@ MAGIC = b"BRISKKV1"
 _HEADER = len(MAGIC) + 8 + 16  # magic, payload length, blake2b-128 of the payload
 SUFFIX = ".kvb"
 WRITE_QUEUE = 256  # blocks waiting to be written; past it a block is not written (counted)
+# the folder's size is measured again (other processes write to it too) after this many writes of our own
+RESCAN_EVERY = 32
 
 
 @dataclass
@@ -83,7 +88,9 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.block_bytes = block_bytes
         self.stats = DiskTierStats()
+        self._remove_orphans()
         self._size = sum(self._sizes().values())
+        self._since_scan = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="brisk-kv-disk", daemon=True)
@@ -139,10 +146,13 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writer; the folder is left within its budget."""
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout=30)
+        with self._lock:
+            if sum(self._sizes().values()) > self.max_bytes:
+                self._evict()
 
     def _write_loop(self) -> None:
         while True:
@@ -175,8 +185,26 @@ class DiskTier:
         self.stats.bytes_written += len(payload)
         with self._lock:
             self._size += _HEADER + len(payload)
+            self._since_scan += 1
+            if self._since_scan >= RESCAN_EVERY:  # what the other writers of the folder added meanwhile
+                self._size, self._since_scan = sum(self._sizes().values()), 0
             if self._size > self.max_bytes:
                 self._evict()
+
+    def _remove_orphans(self) -> None:
+        """Temporary files of writers that are gone (killed mid-write): `.NAME.PID.THREAD.tmp`."""
+        for entry in os.scandir(self.folder):
+            if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                continue
+            try:
+                pid = int(entry.name.rsplit(".", 3)[1])
+                os.kill(pid, 0)
+                continue  # its writer still runs (another process on the folder)
+            except ProcessLookupError:
+                pass
+            except (ValueError, IndexError, PermissionError):
+                continue  # not ours, or another user's process
+            self._remove(Path(entry.path))
 
     def _sizes(self) -> dict[Path, int]:
         sizes = {}
