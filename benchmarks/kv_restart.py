@@ -11,6 +11,13 @@ tokens. Without the tier the restart forgets the prefix (B is cold again); with 
 
 `--shape tinyllama`: a TinyLlama-shaped (1.1B) random-weight Q4_0 GGUF with the demo tokenizer (as
 quantized_peers.py writes it), instead of the demo model.
+
+`--replay N`: a multi-turn chat service across a deploy instead. N users each hold a chat (a shared system
+prompt, then the user's own ~--document-tokens document and three turns, the model's replies kept in the
+history); the server is SIGTERMed and started again, and every user sends a fourth turn. Reported: the fourth
+turns' TTFT p50/p90 and cached prompt tokens after the restart, with and without the tier. (`brisk bench
+--workload replay` replays a recorded trace's prompt lengths with new text: no prefix of a chat survives in
+it, so the chats are driven here, with their real texts.)
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ def system_prompt(words: int) -> str:
 def start(model: str, args, disk: Path | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "brisk", "serve", model, "--port", str(port), "--max-model-len",
-           str(min(args.prefix_tokens + 512, 8192)), "--kv-cache-memory", "1GiB"]
+           str(min(args.prefix_tokens + (args.document_tokens + 1024 if args.replay else 512), 8192)),
+           "--kv-cache-memory", "1GiB"]
     if disk is not None:
         cmd += ["--kv-cache-dir", str(disk)]
     proc = subprocess.Popen(cmd, stdout=open(args.work / "kv_restart.log", "a"), stderr=subprocess.STDOUT)
@@ -58,20 +66,71 @@ def start(model: str, args, disk: Path | None) -> tuple[subprocess.Popen, str]:
 
 def ask(url: str, system: str, question: str) -> tuple[float, int, int]:
     """(TTFT in s, prompt tokens, cached prompt tokens) of one streamed greedy chat."""
-    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-            "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    start_s, ttft, usage = time.perf_counter(), None, None
+    ttft, tokens, cached, _ = chat(url, [{"role": "system", "content": system}, {"role": "user", "content": question}], 8)
+    return ttft, tokens, cached
+
+
+def chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, int, int, str]:
+    """(TTFT in s, prompt tokens, cached prompt tokens, the reply) of one streamed greedy chat."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start_s, ttft, usage, text = time.perf_counter(), None, None, []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if ttft is None and event.get("choices") and event["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - start_s
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                ttft = ttft if ttft is not None else time.perf_counter() - start_s
+                text.append(event["choices"][0]["delta"]["content"])
             if event.get("usage"):
                 usage = event["usage"]
-    return ttft, usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return ttft, usage["prompt_tokens"], cached, "".join(text)
+
+
+def replay(model: str, args) -> None:
+    """--replay: users' chats before a restart, their next turns after it, with and without the tier."""
+    rng = np.random.default_rng(1)
+    system = system_prompt(int(args.prefix_tokens / 1.04))
+    documents = [" ".join(rng.choice(WORDS, int(args.document_tokens / 1.04))) for _ in range(args.replay)]
+    questions = ["What does it say about brakes?", "And the chain?", "Summarise the tyres part.",
+                 "Which part should I check first?"]
+    print(f"{args.replay} chats: a {args.prefix_tokens}-token system prompt shared, a {args.document_tokens}-token "
+          "document each, 3 turns before the restart, the 4th after it (64-token replies)")
+    print("| mode | 4th-turn prompt tokens (mean) | TTFT p50 after restart | TTFT p90 | cached (mean) |")
+    print("|---|---|---|---|---|")
+    p50s = {}
+    for mode in ("no tier", "--kv-cache-dir"):
+        folder = Path(tempfile.mkdtemp(prefix="kv-replay-", dir=args.work)) if mode != "no tier" else None
+        try:
+            histories = [[{"role": "system", "content": system}, {"role": "user", "content": f"My document: {d}"},
+                          {"role": "assistant", "content": "Thank you, I have read it."}] for d in documents]
+            proc, url = start(model, args, folder)
+            try:
+                for turn in questions[:3]:
+                    for h in histories:
+                        h.append({"role": "user", "content": turn})
+                        h.append({"role": "assistant", "content": chat(url, h, 64)[3]})
+            finally:
+                stop(proc)
+            proc, url = start(model, args, folder)
+            rows = []
+            try:
+                for h in histories:
+                    ttft, tokens, cached, _ = chat(url, h + [{"role": "user", "content": questions[3]}], 8)
+                    rows.append((ttft, tokens, cached))
+            finally:
+                stop(proc)
+            ttfts = [r[0] for r in rows]
+            p50s[mode] = float(np.percentile(ttfts, 50))
+            print(f"| {mode} | {np.mean([r[1] for r in rows]):.0f} | {p50s[mode]:.2f} s | "
+                  f"{np.percentile(ttfts, 90):.2f} s | {np.mean([r[2] for r in rows]):.0f} |", flush=True)
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+    print(f"TTFT p50 after a restart, without the tier / with it: {p50s['no tier'] / p50s['--kv-cache-dir']:.1f}x")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -85,11 +144,16 @@ def main() -> None:
     parser.add_argument("--shape", default=None, choices=["tinyllama"])
     parser.add_argument("--prefix-tokens", type=int, default=8000)
     parser.add_argument("--work", type=Path, default=HERE / "peers" / ".work")
+    parser.add_argument("--replay", type=int, default=0, metavar="N",
+                        help="N users' multi-turn chats across the restart instead (see the docstring)")
+    parser.add_argument("--document-tokens", type=int, default=600, help="--replay: each user's document")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     model = str(model_path("Q4_0", args.work, args.shape, None)) if args.shape else args.model
     bandwidth, how = read_bandwidth_gbs()
     print(f"machine read bandwidth: {bandwidth:.1f} GB/s ({how}); model {Path(model).name}", flush=True)
+    if args.replay:
+        return replay(model, args)
     words = int(args.prefix_tokens / 1.04)  # ~1.04 tokens a word of WORDS in the demo vocabulary (measured)
     print("| mode | prompt tokens | TTFT, cold | TTFT after SIGTERM + restart | cached after restart | cold / restart |")
     print("|---|---|---|---|---|---|")

@@ -65,6 +65,23 @@ def test_the_result_table_is_readable_at_80_columns():
     assert "…" not in text and "TTFT p50 ms" in text
 
 
+def test_the_disk_tiers_part_of_the_cache_hits_is_reported():
+    """brisk's usage.brisk.cached_prompt_tokens_by_tier: the disk's part of the prefix-cache hits, in the summary and
+    in the table's cache column; absent (a peer, or a reply without it), nothing is claimed."""
+    from brisk.bench.report import _cache_hits
+
+    def record(cached, disk):
+        timings = None if disk is None else {"cached_prompt_tokens_by_tier": {"memory": cached - disk, "disk": disk}}
+        return RequestRecord(sent_ts=0.0, chunk_ts=[0.5], end_ts=0.6, prompt_tokens=100, output_tokens=1,
+                             cached_tokens=cached, server_timings=timings)
+
+    s = summarize([record(80, 60), record(40, 0)])
+    assert (s.cached_input_tokens, s.disk_cached_input_tokens) == (120, 60)
+    assert _cache_hits(s) == "60% (30% disk)" and s.to_dict()["disk_hit_rate"] == 0.3
+    peer = summarize([record(80, None), record(40, 0)])
+    assert peer.disk_cached_input_tokens is None and _cache_hits(peer) == "60%"
+
+
 def test_goodput_counts_requests_meeting_every_slo():
     a, b, c = records()
     assert summarize([a, b, c], SLO(ttft_ms=300)).goodput == pytest.approx(1 / 1.5)  # only b

@@ -152,6 +152,8 @@ def test_doctor_quick_against_brisk_serve(demo, tmp_path, caplog):
     assert not any("KV cache usage" in m for m in report["findings"]["kv_batching"]["not_measured"])
     assert report["findings"]["network"]["status"] == "ok"
     assert report["findings"]["cold_start"]["status"] == "ok"
+    # brisk's /metrics say whether cached prompts survive a restart: no --kv-cache-dir here
+    assert report["findings"]["cold_start"]["evidence"]["kv_disk_tier"]["budget_bytes"] == 0
     sweep = report["measurements"]["context"]["sweep"]
     assert all(r["client_tokens"] == r["server_prompt_tokens"] for r in sweep)  # counts agree exactly
     html = (tmp_path / "report.html").read_text()

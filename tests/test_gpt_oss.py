@@ -110,3 +110,19 @@ def test_the_hubs_mxfp4_experts_stay_packed_and_compute_transformers_logits(hub_
     scale = reference.abs().max()
     torch.testing.assert_close(exact / scale, reference / scale, rtol=0, atol=1e-4)
     assert float((served.argmax(-1) == reference.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_mxfp4_kept_packed_says_nothing_and_a_widened_one_says_so(tmp_path, brisk_cache):
+    """Never widened silently: a GGUF's MXFP4 experts kept at 4.25 bits need no note; converted to another format
+    (here --quantization none), the load report says what they became."""
+    from brisk.loading.gguf_random import Shape, write_random_gguf
+
+    shape = Shape(hidden=256, layers=1, ffn=256, heads=4, kv_heads=2, context=128, head_dim=64, experts=4,
+                  experts_used=2, expert_ffn=256, arch="gpt-oss")
+    path = write_random_gguf(tmp_path / "oss.gguf", shape, "MXFP4_MOE", None)
+    packed = load(str(path), warmup=False).report
+    assert packed.weight_formats["gate_up_proj"] == "mxfp4" and packed.notes == []
+    widened = load(str(path), warmup=False, quantization="none").report
+    assert widened.notes == ["the file's MXFP4 weights are stored as float (rows not in whole tiles of 8, or "
+                             "--quantization)"]
+    assert any("note: the file's MXFP4" in line for line in widened.lines())

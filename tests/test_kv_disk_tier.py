@@ -69,6 +69,8 @@ def test_a_restart_finds_the_prefix_on_disk_and_answers_as_if_cold(demo, cold, t
     assert second.disk.stats.hits == cached // BLOCK
     assert second.kv.disk_hits_tokens == cached
     assert tokens == cold["Where is my order?"]  # the restored prefix gives the same greedy tokens
+    (_, again), = run(second, [p])  # the same prompt again: now all in the pool, none read from disk
+    assert again >= cached and second.disk.stats.hits == cached // BLOCK
     second.close()
 
 
@@ -137,8 +139,8 @@ def test_a_folder_that_cannot_be_written_is_one_clear_error(tmp_path):
 def test_brisk_serve_keeps_its_cached_prompts_across_a_sigterm_restart(demo, tmp_path):
     """The whole path: `brisk serve --kv-cache-dir`, a chat with a long system prompt, SIGTERM (the drain writes
     what is queued), a new process on the same folder: the same chat's prompt now comes mostly from disk
-    (usage.prompt_tokens_details.cached_tokens, brisk:kv_disk_hits in /metrics), and the greedy reply is the
-    same text."""
+    (usage.prompt_tokens_details.cached_tokens, all of it in usage.brisk.cached_prompt_tokens_by_tier's disk,
+    brisk:kv_disk_hits in /metrics), and the greedy reply is the same text."""
     import signal
     import subprocess
     import sys
@@ -149,7 +151,7 @@ def test_brisk_serve_keeps_its_cached_prompts_across_a_sigterm_restart(demo, tmp
 
     messages = [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": "Do you fix flat tyres?"}]
 
-    def serve_once() -> tuple[str, int, str]:
+    def serve_once() -> tuple[str, int, float, dict]:
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "brisk", "serve", "--port", str(port), "--max-model-len", "2048",
                                  "--kv-cache-memory", "128MiB", "--kv-cache-dir", str(tmp_path / "kv")],
@@ -171,13 +173,21 @@ def test_brisk_serve_keeps_its_cached_prompts_across_a_sigterm_restart(demo, tmp
         body = r.json()
         hits = next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                     if line.startswith("brisk:kv_disk_hits_total"))
-        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"], hits
+        # what `brisk doctor` reads of the tier from the same /metrics
+        from prometheus_client.parser import text_string_to_metric_families
 
-    text, cached, hits = serve_once()
-    assert cached == 0 and hits == 0
-    again, cached, hits = serve_once()
+        from brisk.doctor.checks import _kv_disk_tier
+        tier = _kv_disk_tier({s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples})
+        assert tier["budget_bytes"] == 16 * 2**30 and tier["tokens_read"] == hits and tier["bytes"] >= 0
+        return (body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"], hits,
+                body["usage"]["brisk"]["cached_prompt_tokens_by_tier"])
+
+    text, cached, hits, tiers = serve_once()
+    assert cached == 0 and hits == 0 and tiers == {"memory": 0, "disk": 0}
+    again, cached, hits, tiers = serve_once()
     assert again == text
     assert cached >= 300 and hits == cached, (cached, hits)
+    assert tiers == {"memory": 0, "disk": cached}  # a new process: its pool was empty
 
 
 def test_brisk_serve_with_an_unwritable_folder_is_one_line_before_anything_loads(tmp_path):

@@ -39,6 +39,12 @@ class RequestRecord:
         return self.error is None and self.end_ts is not None
 
     @property
+    def disk_cached_tokens(self) -> int | None:
+        """Of the cached prompt tokens, those brisk read from its KV disk tier (usage.brisk's by-tier split)."""
+        tiers = (self.server_timings or {}).get("cached_prompt_tokens_by_tier")
+        return tiers.get("disk") if isinstance(tiers, dict) and isinstance(tiers.get("disk"), int) else None
+
+    @property
     def ttft_s(self) -> float | None:
         return self.chunk_ts[0] - self.sent_ts if self.chunk_ts else None
 
@@ -108,12 +114,19 @@ class Summary:
     goodput: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
     cached_input_tokens: int | None = None  # prompt tokens the server served from its prefix cache
+    disk_cached_input_tokens: int | None = None  # of those, read from brisk's KV disk tier (when every reply said)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         if self.cached_input_tokens is None or not self.total_input_tokens:
             return None
         return self.cached_input_tokens / self.total_input_tokens
+
+    @property
+    def disk_hit_rate(self) -> float | None:
+        if self.disk_cached_input_tokens is None or not self.total_input_tokens:
+            return None
+        return self.disk_cached_input_tokens / self.total_input_tokens
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -123,6 +136,7 @@ class Summary:
             "total_token_throughput": self.total_token_throughput, "request_goodput": self.goodput,
             "errors": self.errors, "cached_input_tokens": self.cached_input_tokens,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "disk_cached_input_tokens": self.disk_cached_input_tokens, "disk_hit_rate": self.disk_hit_rate,
         }
         for name in ("ttft", "tpot", "itl", "e2el"):
             dist: Distribution | None = getattr(self, name)
@@ -146,6 +160,8 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> Summary:
     outputs = sum(r.output_tokens or 0 for r in ok)
     reported = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     cached = sum(reported) if ok and len(reported) == len(ok) else None  # only when every reply said
+    from_disk = [r.disk_cached_tokens for r in ok if r.disk_cached_tokens is not None]
+    disk = sum(from_disk) if ok and len(from_disk) == len(ok) else None
     return Summary(
         duration_s=duration, completed=len(ok), failed=len(records) - len(ok), total_input_tokens=inputs,
         total_output_tokens=outputs, request_throughput=len(ok) / duration, output_throughput=outputs / duration,
@@ -155,7 +171,7 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> Summary:
         itl=Distribution.of([gap for r in ok for gap in r.itl_s]),
         e2el=Distribution.of([r.e2e_s for r in ok]),
         goodput=None if slo is None else sum(slo.met_by(r) for r in ok) / duration,
-        errors=errors, cached_input_tokens=cached,
+        errors=errors, cached_input_tokens=cached, disk_cached_input_tokens=disk,
     )
 
 

@@ -71,7 +71,15 @@ def _cells(r: RunResult) -> list[str]:
     return [r.label + (" ⚠" if r.client_bound else ""), f"{s.completed}/{s.failed}", f"{s.output_throughput:.1f}",
             f"{s.request_throughput:.2f}", "–" if s.goodput is None else f"{s.goodput:.2f}", ms(s.ttft, "median"),
             ms(s.ttft, "p99"), ms(s.tpot, "median"), ms(s.itl, "median"), ms(s.itl, "p99"), ms(s.e2el, "median"),
-            "–" if s.prefix_cache_hit_rate is None else f"{s.prefix_cache_hit_rate:.0%}"]
+            _cache_hits(s)]
+
+
+def _cache_hits(s) -> str:
+    """The prefix cache's share of the prompt tokens, and (brisk with --kv-cache-dir) the disk tier's part of it."""
+    if s.prefix_cache_hit_rate is None:
+        return "–"
+    disk = s.disk_hit_rate
+    return f"{s.prefix_cache_hit_rate:.0%}" + (f" ({disk:.0%} disk)" if disk else "")
 
 
 def console_table(results: list[RunResult], width: int | None = None):

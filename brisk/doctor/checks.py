@@ -135,16 +135,33 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
         status, summary = OK, (f"warm: first request {first or 0:.3f} s, then {steady_spread['min']:.3f}–"
                                f"{steady_spread['max']:.3f} s over {steady_spread['n']} requests"
                                if steady_spread else "warm")
+    tier = _kv_disk_tier(scrape(p))
+    data["kv_disk_tier"] = evidence["kv_disk_tier"] = tier
+    if tier and tier["tokens_read"]:
+        summary += f"; {tier['tokens_read']:,} prompt tokens read back from the KV disk tier since start"
     if status != OK:
         fixes += ["keep a warm replica, and route traffic only after /ready (or a warm-up request) succeeds",
                   "cache converted/compiled artefacts between restarts (brisk: $BRISK_CACHE; vLLM: compile cache)",
                   "send a warm-up request at start so the first user does not pay for lazy initialisation"]
+        if tier is not None and not tier["budget_bytes"]:
+            fixes.append("brisk serve --kv-cache-dir DIR: cached prompts (system prompts, chat histories) outlive a "
+                         "restart, read back from disk instead of recomputed")
     missing = [_failed_probe(t, "cold start request") for t in timings if not t.ok]
     if not steady_spread or steady_spread["n"] < 2:
         missing.append("steady-state latency (fewer than two later requests succeeded)")
     if missing:  # a failed probe is not evidence either way
         status, fixes = UNKNOWN, []
     return Finding("cold_start", status, summary, evidence, fixes, missing), data
+
+
+def _kv_disk_tier(metrics: dict[str, float]) -> dict[str, int] | None:
+    """brisk's KV disk tier as its /metrics tell it (None: not brisk, or no /metrics); budget 0: not enabled."""
+    if "brisk:kv_disk_budget_bytes" not in metrics:
+        return None
+    return {"budget_bytes": int(metrics["brisk:kv_disk_budget_bytes"]),
+            "bytes": int(metrics.get("brisk:kv_disk_bytes", 0)),
+            "tokens_read": int(metrics.get("brisk:kv_disk_hits_total", 0)),
+            "blocks_written": int(metrics.get("brisk:kv_disk_blocks_written_total", 0))}
 
 
 def _retry_delay(retry_after: str | None) -> float:

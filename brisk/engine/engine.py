@@ -439,6 +439,7 @@ class LLMEngine:
             delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_disk_prompt_tokens=request.num_disk_prompt_tokens,
             metrics=self._metrics(request) if whole else {}, num_output_tokens=request.num_output_tokens,
             delta_logprobs=delta_logprobs, text_offset=len(request.output_text) - len(delta_text),
             error=request.error,
@@ -499,4 +500,5 @@ class LLMEngine:
         d = self.disk.stats
         return {"kv_disk_hits_tokens": self.kv.disk_hits_tokens, "kv_disk_blocks_read": d.hits,
                 "kv_disk_blocks_corrupt": d.corrupt, "kv_disk_blocks_written": d.written,
-                "kv_disk_blocks_not_written": d.dropped + d.write_errors}
+                "kv_disk_blocks_not_written": d.dropped + d.write_errors, "kv_disk_budget_bytes": self.disk.max_bytes,
+                "kv_disk_bytes": self.disk.size_bytes}

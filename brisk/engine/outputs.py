@@ -24,6 +24,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[str, Any]] | None = None  # (*) one entry per output token, when asked for
     num_cached_prompt_tokens: int = 0
+    num_disk_prompt_tokens: int = 0  # of those, read from the KV disk tier
     metrics: dict[str, Any] = field(default_factory=dict)  # (*) phase timings
     num_output_tokens: int = 0  # output tokens so far (len(token_ids) when cumulative or final)
     delta_logprobs: list[dict[str, Any]] | None = None  # the logprobs of delta_token_ids, when asked for

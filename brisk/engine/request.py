@@ -63,6 +63,7 @@ class Request:
     prompt: str | None = None
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    num_disk_prompt_tokens: int = 0  # of those, the ones read from the KV disk tier (--kv-cache-dir)
     status: RequestStatus = RequestStatus.WAITING
     times: RequestTimes = field(default_factory=RequestTimes)
     num_preemptions: int = 0

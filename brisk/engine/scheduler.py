@@ -158,6 +158,7 @@ class Scheduler:
             request.num_computed_tokens = prefix.num_tokens
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = prefix.num_tokens
+                request.num_disk_prompt_tokens = len(prefix.loaded) * self.kv.block_size
             self.running.append(request)
             self._schedule_chunk(request, num_new, out)
             budget -= num_new

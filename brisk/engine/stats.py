@@ -38,6 +38,8 @@ class EngineStats:
     kv_disk_blocks_corrupt: int = 0
     kv_disk_blocks_written: int = 0
     kv_disk_blocks_not_written: int = 0
+    kv_disk_budget_bytes: int = 0  # --kv-cache-disk-bytes where --kv-cache-dir is set; 0: no disk tier
+    kv_disk_bytes: int = 0  # what the tier's folder holds now (as this process last measured it)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -111,6 +111,12 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                   f"  brisk serve {plan['brisk_serve_flags']}")
     for note in plan["notes"]:
         console.print(f"[yellow]note[/]: {note}")
+    disk = _disk_tier(args.disk_bytes, per_token, plan["block_size"], trace)
+    if disk is not None:
+        console.print(f"[bold]disk tier[/]: --kv-cache-disk-bytes {args.disk_bytes} holds {disk['tokens']:,} tokens "
+                      f"({disk['blocks']:,} files of {disk['file_bytes']:,} bytes), {disk['share_of_prompts']:.0%} of "
+                      f"this traffic's {disk['prompt_tokens']:,} prompt tokens (the prompts of ~{disk['prompts']:,} "
+                      "mean requests); shared prefixes are stored once")
     if args.json_path:
         doc = {"brisk_kv_plan_schema": 2, "requests": len(trace), "skipped_lines": loaded.skipped,
                "aborted_requests": loaded.aborted, "prefill_tps": inputs.prefill_tps,
@@ -119,9 +125,29 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                "parameters_active": shape.parameters[1],
                "capacity_tokens": inputs.capacity_tokens, "max_model_len": max_model_len, "step_s": inputs.step_s,
                "fits": {k: v.to_dict() for k, v in fits.items()},
-               "strategies": [r.to_dict() for r in results], "recommendation": plan}
+               "strategies": [r.to_dict() for r in results], "recommendation": plan, "disk_tier": disk}
         write_output(args.json_path, json.dumps(doc, indent=1) + "\n", "--json")
     if args.plot:
         for path in write_plots(args.plot, trace, fits, results):
             console.print(f"plot: {path}")
     return 0
+
+
+def _disk_tier(flag: str | None, per_token: int, block_size: int, trace) -> dict | None:
+    """What --kv-cache-disk-bytes holds: one file per full block of block_size tokens."""
+    from brisk.config import parse_memory
+    from brisk.engine.kv_cache.disk_tier import HEADER_BYTES
+
+    if flag is None:
+        return None
+    try:
+        budget = parse_memory(flag)
+    except ValueError as e:
+        raise BriskError(f"--disk-bytes: {e}") from None
+    file_bytes = per_token * block_size + HEADER_BYTES
+    blocks = budget // file_bytes
+    prompt_tokens = sum(r.prompt_tokens for r in trace)
+    mean_prompt = prompt_tokens / max(len(trace), 1)
+    return {"budget_bytes": budget, "file_bytes": file_bytes, "blocks": blocks, "tokens": blocks * block_size,
+            "prompt_tokens": prompt_tokens, "share_of_prompts": min(1.0, blocks * block_size / max(prompt_tokens, 1)),
+            "prompts": int(blocks * block_size / max(mean_prompt, 1))}

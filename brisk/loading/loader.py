@@ -219,6 +219,12 @@ def _oai_experts(tensors: dict[str, torch.Tensor], mlp: str) -> None:
             tensors.update({f"{experts}{name}.{k}": t for k, t in mxfp4.from_hub(blocks, scales).items()})
 
 
+def _format_of(tensors: dict[str, torch.Tensor], qweight: str) -> str:
+    base = qweight.removesuffix(".qweight")
+    fmt = (moe.expert_format if ".experts." in base else quant.QuantFormat.of)(tensors, base)
+    return fmt.name if fmt is not None else "quantized"
+
+
 def _expected_names(model: DecoderForCausalLM) -> set[str]:
     names = set(model.state_dict().keys())
     if model.config.tie_word_embeddings:  # the head reads the embedding's tensors
@@ -426,12 +432,21 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
         if quantization in quant.QUANTIZERS and not any(_is_quantized(n) for n in tensors):
             _quantize_at_load(tensors, quantization, maps)
         if dev.type != "cpu":  # NOTE: the quantized kernels are CPU kernels; elsewhere weights run in float
+            widened = sorted({_format_of(tensors, n) for n in tensors if n.endswith(".qweight")})
+            if widened:
+                report.notes.append(f"{', '.join(widened)} weights widened to {report.dtype} on {dev}: brisk's "
+                                    "quantized kernels run on the CPU")
             _dequantize_all(tensors)
         report.weight_bytes = sum(t.numel() * (t.element_size() if _is_quantized(n) or not t.is_floating_point()
                                                else torch_dtype.itemsize) for n, t in tensors.items())  # as placed
         formats = quant.install(net, tensors, cfg.tie_word_embeddings, torch_dtype)
         formats.update(moe.install_experts(net, tensors))
         report.weight_formats = _layer_formats(formats)
+        if source.kind == "gguf" and "MXFP4" in gguf_convert.linear_types(source.path) and \
+                "mxfp4" not in report.weight_formats.values():
+            kept = sorted({report.weight_formats.get(k, "float") for k in ("gate_up_proj", "down_proj")})
+            report.notes.append(f"the file's MXFP4 weights are stored as {', '.join(kept)} (rows not in whole tiles "
+                                "of 8, or --quantization)")
         missing = sorted(_expected_names(net) - tensors.keys())
         if missing:
             raise ModelLoadError(

@@ -25,6 +25,8 @@ class LoadReport:
     parameters_active: int = 0  # of which one token reads (a mixture of experts: its k routed experts)
     experts: str = ""  # "8 of 128 experts a token in 48 layers" for a mixture of experts
     pooling: str = ""  # an embedding model's pooling ("last pooling, L2-normalised (from modules.json)")
+    # what the load changed about the weights that the user should know: a format widened, never silently
+    notes: list[str] = field(default_factory=list)
     current_phase: str | None = None  # the phase running now (read by the server's /ready)
 
     @contextmanager
@@ -51,6 +53,7 @@ class LoadReport:
             "device": self.device, "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
             "weight_formats": self.weight_formats, "parameters_total": self.parameters_total,
             "parameters_active": self.parameters_active, "experts": self.experts, "pooling": self.pooling,
+            "notes": self.notes,
             "phases_ms": {k: round(v, 2) for k, v in self.phases_ms.items()},
             "total_ms": round(self.total_ms, 2),
         }
@@ -72,6 +75,7 @@ class LoadReport:
             out.append(f"  embedding model: {self.pooling}")
         if self.weight_formats:
             out.append("  weight formats: " + ", ".join(f"{k} {v}" for k, v in self.weight_formats.items()))
+        out += [f"  note: {note}" for note in self.notes]
         out += [f"  {name:<20} {ms:9.1f} ms" for name, ms in self.phases_ms.items()]
         out.append(f"  {'total':<20} {self.total_ms:9.1f} ms")
         return out

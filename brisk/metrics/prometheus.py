@@ -145,6 +145,9 @@ class _EngineCollector:
             ("brisk:kv_cache_resident_bytes", "Bytes of the KV pool in memory now: blocks are mapped on first "
              "write, so this grows until every block has been used once (0 where the OS cannot say).",
              lambda s: s.kv_cache_resident_bytes),
+            ("brisk:kv_disk_budget_bytes", "The KV disk tier's byte budget (--kv-cache-disk-bytes); 0: no disk tier "
+             "(--kv-cache-dir not set).", lambda s: s.kv_disk_budget_bytes),
+            ("brisk:kv_disk_bytes", "Bytes the KV disk tier's folder holds now.", lambda s: s.kv_disk_bytes),
         ]
         for name, doc, value_of in gauges:
             yield family(GaugeMetricFamily, name, doc, value_of)

@@ -35,7 +35,7 @@ log = logging.getLogger("brisk.kv_disk")
 
 LAYOUT_VERSION = 1
 MAGIC = b"BRISKKV1"
-_HEADER = len(MAGIC) + 8 + 16  # magic, payload length, blake2b-128 of the payload
+HEADER_BYTES = len(MAGIC) + 8 + 16  # magic, payload length, blake2b-128 of the payload
 SUFFIX = ".kvb"
 WRITE_QUEUE = 256  # blocks waiting to be written; past it a block is not written (counted)
 # the folder's size is measured again (other processes write to it too) after this many writes of our own
@@ -123,11 +123,11 @@ class DiskTier:
         return payload
 
     def _verified(self, data: bytes) -> bytes | None:
-        if len(data) != _HEADER + self.block_bytes or not data.startswith(MAGIC):
+        if len(data) != HEADER_BYTES + self.block_bytes or not data.startswith(MAGIC):
             return None
         length = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
-        payload = data[_HEADER:]
-        if length != len(payload) or hashlib.blake2b(payload, digest_size=16).digest() != data[len(MAGIC) + 8:_HEADER]:
+        payload = data[HEADER_BYTES:]
+        if length != len(payload) or hashlib.blake2b(payload, digest_size=16).digest() != data[len(MAGIC) + 8:HEADER_BYTES]:
             return None
         return payload
 
@@ -184,7 +184,7 @@ class DiskTier:
         self.stats.written += 1
         self.stats.bytes_written += len(payload)
         with self._lock:
-            self._size += _HEADER + len(payload)
+            self._size += HEADER_BYTES + len(payload)
             self._since_scan += 1
             if self._since_scan >= RESCAN_EVERY:  # what the other writers of the folder added meanwhile
                 self._size, self._since_scan = sum(self._sizes().values()), 0
@@ -245,6 +245,11 @@ class DiskTier:
             return True
         except OSError:
             return False
+
+    @property
+    def size_bytes(self) -> int:
+        """The folder's size as this process last measured it (writes since counted; no scan)."""
+        return self._size
 
     def disk_bytes(self) -> int:
         return sum(self._sizes().values())
