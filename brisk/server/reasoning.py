@@ -6,6 +6,8 @@
 - "deepseek_r1": the template's generation prompt opened `<think>` (DeepSeek-R1 and its distills);
   the reply is reasoning until `</think>` (a `<think>` the model repeats is dropped), all of it when
   it never closes.
+
+gpt-oss ("gpt-oss", HARMONY) writes channels, not `<think>`: brisk.structured.harmony reads those.
 """
 
 from __future__ import annotations

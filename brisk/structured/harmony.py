@@ -1,5 +1,6 @@
 """gpt-oss replies in OpenAI's harmony format, read into reasoning, content and tool calls as their text
-arrives (issue 63's parser; the gpt-oss architecture itself is not served yet).
+arrives (the reader brisk.server.responses gives gpt-oss models by default), and forced calls written in it
+(`call_grammar`).
 
 A harmony reply is a run of messages, each a header and a body:
 
