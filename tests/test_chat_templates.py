@@ -21,7 +21,7 @@ TEMPLATES = [
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
     "mistralai-Mistral-Nemo-Instruct-2407", "microsoft-Phi-3.5-mini-instruct", "google-gemma-2-2b-it",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B",
-    "HuggingFaceTB-SmolLM3-3B", "Mistral-Small-3.2-24B-Instruct-2506",
+    "HuggingFaceTB-SmolLM3-3B", "Mistral-Small-3.2-24B-Instruct-2506", "openai-gpt-oss-120b",
 ]
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
 WEATHER = {"type": "function", "function": {
@@ -90,6 +90,17 @@ def test_template_renders_as_transformers_does(name, word_tokenizer):
                     assert got == expected, f"{label}, tools={bool(tools)}, add_generation_prompt={gen}"
                     rendered += 1
     assert rendered >= 8, f"only {rendered} conversations rendered ({refused} refused)"
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high"])
+def test_gpt_oss_reasoning_effort_renders_as_transformers_does(word_tokenizer, effort):
+    """gpt-oss's template writes `Reasoning: <effort>` into its system message from the reasoning_effort kwarg
+    (what chat's reasoning_effort and the Responses API's reasoning.effort reach)."""
+    source = template_source("openai-gpt-oss-120b")
+    messages = CONVERSATIONS["system"]
+    expected = hf_render(source, word_tokenizer, messages, [WEATHER], True, reasoning_effort=effort)
+    assert f"Reasoning: {effort}" in expected
+    assert brisk_render(source, word_tokenizer, messages, [WEATHER], True, reasoning_effort=effort) == expected
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])

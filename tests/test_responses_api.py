@@ -206,6 +206,12 @@ TRANSCRIPTS = {
                               '"arguments": {"city": "Paris"}}</tool_call>'], PLAN),
     "text then two calls": (["Checking. ", '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>',
                              '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>'], PLAN),
+    # gpt-oss's harmony channels, read by its parser (the stop token, <|return|> or <|call|>, is not in the text)
+    "harmony thinking then answer": (["<|channel|>analysis<|message|>", "Let me", " see.<|end|>",
+                                      "<|start|>assistant<|channel|>final<|message|>It is", " 4."], None),
+    "harmony thinking then a call": (["<|channel|>analysis<|message|>need weather<|end|><|start|>assistant",
+                                      "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+                                      '{"city": ', '"Paris"}'], PLAN),
 }
 
 
@@ -218,7 +224,8 @@ def test_events_and_the_whole_response_agree_on_every_channel_mix(state, demo, n
     pieces, tools = TRANSCRIPTS[name]
     if cut:
         pieces = pieces[:-1]
-    streamed, whole = _formatter(state, demo, tools), _formatter(state, demo, tools)
+    parser = "gpt-oss" if name.startswith("harmony") else "qwen3"
+    streamed, whole = _formatter(state, demo, tools, parser), _formatter(state, demo, tools, parser)
     events = streamed.first_chunks([], [])
     for out in _outputs(pieces, "length" if cut else "stop"):
         events += streamed.chunks(0, out, None)
