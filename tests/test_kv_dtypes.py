@@ -134,9 +134,12 @@ def test_kernel_widens_every_code_exactly(lib, isa, staged, kv):
     assert torch.equal(out[0, :dim], want[0, 0]) and torch.equal(out[0, dim:], want[0, 0])
 
 
-def float64_attention(q, keys, values, tables, lengths, bs, scale, window=None, softcap=None) -> torch.Tensor:
+def float64_attention(q, keys, values, tables, lengths, bs, scale, window=None, softcap=None, sinks=None
+                      ) -> torch.Tensor:
     """Each row over its context (or its last `window` positions), in float64: scores, Gemma 2's
-    soft-capping when asked, softmax, the weighted sum of V; GQA groups as the kernel reads them."""
+    soft-capping when asked, softmax (with gpt-oss's `sinks`: a logit per head in the softmax that attends to
+    nothing, as transformers' eager attention computes it), the weighted sum of V; GQA groups as the kernel
+    reads them."""
     heads, kv_heads = q.shape[1], keys.shape[1]
     out = []
     for row, n in enumerate(lengths.tolist()):
@@ -147,7 +150,11 @@ def float64_attention(q, keys, values, tables, lengths, bs, scale, window=None, 
         scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).reshape(-1))
+        if sinks is None:
+            weights = scores.softmax(-1)
+        else:
+            weights = torch.cat([scores, sinks.double()[:, None]], dim=-1).softmax(-1)[:, :-1]
+        out.append(torch.einsum("hl,lhd->hd", weights, v).reshape(-1))
     return torch.stack(out)
 
 
@@ -208,6 +215,27 @@ def test_kernel_matches_float64_attention_over_the_stored_values(lib, isa, stage
         assert err < bound(kv, dim, values), (ISAS[isa], staged, part, window, softcap, err)
         exact = float64_attention(q, keys, values, tables, lens, bs, scale, window, softcap)
         assert (out.double() - exact).abs().max().item() < max(1e-4, bound(kv, dim, values))
+
+
+@pytest.mark.parametrize("isa", sorted(ISAS))
+@pytest.mark.parametrize("kv", [FLOAT32, BFLOAT16, INT8], ids=lambda d: d.name)
+def test_attention_sinks_join_every_rows_softmax(lib, isa, kv):
+    """gpt-oss's sinks in the kernel's merge: each row's softmax over its context and its head's sink logit (large
+    enough, for some heads, to take most of the weight), over parts merged or not and a sliding window, against
+    float64 attention with the sink in the softmax."""
+    force_attention(lib, isa)
+    bs, heads, kv_heads, dim = 8, 8, 2, 64
+    cache, keys, values, q, tables, lens = ragged_case(kv, heads, kv_heads, dim, bs, [1, 7, 33, 300], 11, 2)
+    scale = dim ** -0.5
+    sinks = torch.tensor([-3.0, -0.5, 0.0, 0.7, 2.0, 4.0, 8.0, 1.5])
+    for part, window in ((0, None), (16, None), (16, 20)):
+        want = float64_attention(q, keys, values, tables, lens, bs, scale, window, sinks=sinks)
+        out = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, scale, part_tokens=part,
+                                             window=window, kv_dtype=kv, scales=cache.scales(0), sinks=sinks)
+        without = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, bs, scale, part_tokens=part,
+                                                 window=window, kv_dtype=kv, scales=cache.scales(0))
+        assert (out.double() - want).abs().max().item() < max(1e-4, bound(kv, dim, values)), (ISAS[isa], part, window)
+        assert (out - without).abs().max().item() > 0.1  # the sinks take weight: the test sees them
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))
