@@ -422,6 +422,89 @@ def test_conversion_sweeps_stale_folders_first(tmp_path, monkeypatch):
     assert seen == [False]
 
 
+_SERVE_THEN_DIE_MID_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from brisk.loading import gguf_convert, loader
+
+def dying(path, plan, metadata, quiet=False):
+    Path(path).write_bytes(b"x" * 4096)  # part of the cache file is on disk
+    print("writing", flush=True)
+    signal.pause()  # killed here, mid-write
+
+gguf_convert._write_safetensors = dying
+loaded = loader.load(sys.argv[1], warmup=False, background_conversion=True)
+print("served", flush=True)
+signal.pause()
+"""
+
+
+def test_a_first_start_serves_from_memory_and_writes_the_same_cache_behind(tmp_path, demo_gguf_path, monkeypatch):
+    """brisk serve's first start of a GGUF (background_conversion): the model runs from the converted arrays while
+    the cache is written behind it; the cache, once in place, is byte for byte what a conversion done first
+    writes, the next start finds it, and both starts compute the same logits."""
+    import filecmp
+
+    import torch
+
+    from brisk.loading import gguf_convert
+    from brisk.loading.loader import load
+    from brisk.models.simple_cache import SingleSequenceCache
+
+    def logits(loaded):
+        ids = list(range(5, 30))
+        cache = SingleSequenceCache(loaded.config, len(ids), torch.float32, "cpu")
+        cache.begin(len(ids))
+        with torch.inference_mode():
+            return loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache))
+
+    monkeypatch.setenv("BRISK_CACHE", str(tmp_path / "serving"))
+    first = load(str(demo_gguf_path), warmup=False, background_conversion=True)
+    assert first.report.conversion_cache == "miss" and first.conversion is not None
+    assert "convert" in first.report.phases_ms and "dequantize_write" not in first.report.phases_ms
+    served = logits(first)
+    assert first.conversion.wait(300)
+    assert (first.model_dir / "config.json").exists() and not first.conversion.folder.exists()
+    second = load(str(demo_gguf_path), warmup=False, background_conversion=True)
+    assert second.report.conversion_cache == "hit" and second.conversion is None
+    assert torch.equal(logits(second), served)
+    reference = tmp_path / "written-first"
+    gguf_convert.convert(demo_gguf_path, reference)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert filecmp.cmp(first.model_dir / name, reference / name, shallow=False), name
+
+
+def test_a_first_start_killed_while_its_cache_is_written_leaves_no_half_cache(tmp_path, demo_gguf_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from brisk.loading import gguf_convert
+    from brisk.loading.loader import load
+
+    env = {**os.environ, "BRISK_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_THEN_DIE_MID_WRITE, str(demo_gguf_path)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert sorted([proc.stdout.readline().strip(), proc.stdout.readline().strip()]) == ["served", "writing"]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    parent = tmp_path / "cache" / "converted"
+    assert not [p for p in parent.iterdir() if gguf_convert.TEMP_MARK not in p.name]  # nothing in place, half-written
+    os.environ["BRISK_CACHE"], saved = str(tmp_path / "cache"), os.environ.get("BRISK_CACHE")
+    try:
+        again = load(str(demo_gguf_path), warmup=False)  # converts again, sweeping the dead start's folder
+    finally:
+        if saved is None:
+            del os.environ["BRISK_CACHE"]
+        else:
+            os.environ["BRISK_CACHE"] = saved
+    assert again.report.conversion_cache == "miss"
+    assert [p.name for p in parent.iterdir()] == [again.model_dir.name]
+
+
 # -- found by the schemathesis run: valid sampling settings that killed the engine -----------
 def test_top_p_that_underflows_float32_samples_the_top_token():
     """top_p=1e-300 is valid (0 < top_p <= 1) but is 0 in float32: every token was dropped and
