@@ -3,8 +3,7 @@
 within a day).
 
 For each start: seconds to `/ready` answering 200, to the first answered 1-token chat completion, and the
-load report's `first_forward` phase (with --cold, its conversion: `dequantize_write`, or `convert` where the
-cache is written behind a server already answering). The first start of
+load report's `first_forward` phase (with --cold, its `dequantize_write`: the conversion). The first start of
 each tree only warms the page cache; the medians are over the rest.
 --cold gives every start an empty cache directory (BRISK_CACHE), so each one converts the GGUF as a user's
 first start does; --llama-server PATH starts that peer on the same file after each pair (to /health).
@@ -44,9 +43,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     serve_args = argparse.Namespace(concurrency="1", long_prompt=0, llama_server=args.llama_server, work=args.work)
     print(f"machine read bandwidth: {read_bandwidth_gbs()[0]:.1f} GB/s", flush=True)
-    phase_name = "conversion" if args.cold else "first_forward"
-    # the conversion's phase: `dequantize_write` (written first), or `convert` (served from memory, written behind)
-    phase_pattern = r"(?:dequantize_write|convert)" if args.cold else "first_forward"
+    phase_name = "dequantize_write" if args.cold else "first_forward"
     kind = "cold" if args.cold else "warm"
     trees = [("A", args.a), ("B", args.b)] + ([("llama-server", None)] if args.llama_server else [])
     results: dict[str, list[tuple[float, float, float]]] = {label: [] for label, _ in trees}
@@ -66,7 +63,7 @@ def main() -> None:
                 os.environ["BRISK_CACHE"] = str(cache)
             proc, _, (ready, answer) = qp.start("brisk", args.gguf, serve_args, log)
             qp.stop(proc)
-            phase = re.search(phase_pattern + r"\s+([\d.]+) ms", log.read_text())
+            phase = re.search(phase_name + r"\s+([\d.]+) ms", log.read_text())
             seconds = float(phase.group(1)) / 1e3 if phase else float("nan")
             results[label].append((ready, answer, seconds))
             print(f"{label} start {i}: ready {ready:.2f} s, first answer {answer:.2f} s, "
