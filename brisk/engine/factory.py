@@ -212,7 +212,7 @@ def _load_async_engine(args: argparse.Namespace, max_model_len: int, chat_templa
         from brisk.loading.loader import load
     loaded = load(source or args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
                   quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype,
-                  pooling=args.pooling, background_conversion=True)
+                  pooling=args.pooling)
     if chat_template is not None:
         loaded.tokenizer.set_chat_template(chat_template)
     with report.phase("engine"):

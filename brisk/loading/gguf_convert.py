@@ -36,16 +36,14 @@ The converted safetensors use brisk's layout: q/k/v and gate/up already fused
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
 import shutil
 import struct
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -663,9 +661,8 @@ def _write_pieces(f, pieces: list[np.ndarray]) -> None:
         f.write(p.reshape(-1).view(np.uint8))
 
 
-def _write_safetensors(path: Path, plan, metadata: dict[str, str], quiet: bool = False) -> int:
-    """Stream tensors into a safetensors file: header first, then each tensor in turn (`quiet`: no progress lines,
-    for a write behind a server that is already answering)."""
+def _write_safetensors(path: Path, plan, metadata: dict[str, str]) -> int:
+    """Stream tensors into a safetensors file: header first, then each tensor in turn."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape, _ in plan:
@@ -676,8 +673,8 @@ def _write_safetensors(path: Path, plan, metadata: dict[str, str], quiet: bool =
     blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
     from brisk.progress import Progress
 
-    label = f"converting {path.parent.name.split(TEMP_MARK)[0].lstrip('.')}: tensors"
-    with open(path, "wb") as f, Progress(label, len(plan), stream=io.StringIO() if quiet else None) as progress:
+    with open(path, "wb") as f, Progress(f"converting {path.parent.name.split(TEMP_MARK)[0].lstrip('.')}: tensors",
+                                         len(plan)) as progress:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         # one thread writes a tensor while this one produces the next (file writes and numpy's loops drop
@@ -703,10 +700,11 @@ def _write_safetensors(path: Path, plan, metadata: dict[str, str], quiet: bool =
     return offset
 
 
-def _prepare(gguf_path: Path, out_dir: Path, quantization: str):
-    """What a conversion writes, planned from the GGUF: (config, tokenizer, its config, the tensor plan, timings)."""
+def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[str, float]:
+    """Convert `gguf_path` into `out_dir` (created atomically). Returns phase timings in ms."""
     import time
 
+    timings: dict[str, float] = {}
     t0 = time.perf_counter()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(out_dir.parent)  # left by a conversion that was killed (even by SIGKILL)
@@ -722,150 +720,36 @@ def _prepare(gguf_path: Path, out_dir: Path, quantization: str):
     _read_rope_factors(tensors, config)
     _mark_dense_layers(tensors, config)
     plan = _plan(tensors, groups, expert_groups)
-    return config, fast_tokenizer, tok_config, plan, {"gguf_read": (time.perf_counter() - t0) * 1e3}
+    timings["gguf_read"] = (time.perf_counter() - t0) * 1e3
 
-
-def _temp_folder(out_dir: Path) -> tuple[Path, int]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TEMP_MARK}", dir=out_dir.parent))
     os.chmod(tmp, 0o755)
-    return tmp, _hold_lock(tmp)  # held until the folder is renamed or this process ends: alive while held
-
-
-def _write_small_files(tmp: Path, gguf_path: Path, config, fast_tokenizer, tok_config, quantization: str) -> None:
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tok_config["model_max_length"] = config["max_position_embeddings"]
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False), encoding="utf-8")
-    fast_tokenizer.save(str(tmp / "tokenizer.json"))
-    (tmp / "brisk_source.json").write_text(json.dumps(
-        {"gguf": str(gguf_path), "size": gguf_path.stat().st_size, "convert_version": CONVERT_VERSION,
-         "quantization": quantization}, indent=2))
-
-
-def _publish(tmp: Path, out_dir: Path) -> None:
-    """The finished folder renamed into place (atomic: a reader sees all of it or nothing)."""
-    try:
-        os.rename(tmp, out_dir)
-        (out_dir / LOCK_NAME).unlink(missing_ok=True)
-    except OSError:
-        if not (out_dir / "config.json").exists():  # not a concurrent winner: a real failure
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
-
-
-def convert(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> dict[str, float]:
-    """Convert `gguf_path` into `out_dir` (created atomically). Returns phase timings in ms."""
-    import time
-
-    config, fast_tokenizer, tok_config, plan, timings = _prepare(gguf_path, out_dir, quantization)
-    tmp, lock = _temp_folder(out_dir)
+    lock = _hold_lock(tmp)  # held until this process ends: the folder is alive while it is held
     try:
         t1 = time.perf_counter()
         _write_safetensors(tmp / "model.safetensors", plan, {"format": "pt", "brisk_layout": BRISK_LAYOUT})
         timings["dequantize_write"] = (time.perf_counter() - t1) * 1e3
-        _write_small_files(tmp, gguf_path, config, fast_tokenizer, tok_config, quantization)
-        _publish(tmp, out_dir)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tok_config["model_max_length"] = config["max_position_embeddings"]
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(tok_config, indent=2, ensure_ascii=False), encoding="utf-8")
+        fast_tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "brisk_source.json").write_text(json.dumps(
+            {"gguf": source, "size": gguf_path.stat().st_size, "convert_version": CONVERT_VERSION,
+             "quantization": quantization}, indent=2))
+        try:
+            os.rename(tmp, out_dir)
+            (out_dir / LOCK_NAME).unlink(missing_ok=True)
+        except OSError:
+            if not (out_dir / "config.json").exists():  # not a concurrent winner: a real failure
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         os.close(lock)
     return timings
-
-
-@dataclass
-class Converting:
-    """A first start's conversion, served from memory while its cache is written (`convert_serving`): the
-    converted tensors, and a folder of its own holding copies of the config and tokenizer files (the cache's
-    folder may be renamed into place, or fail, while the loader reads them; the loader removes it)."""
-    arrays: dict[str, np.ndarray]
-    dtypes: dict[str, str]  # safetensors dtype of each (BF16 arrays hold the bits as uint16)
-    folder: Path
-    timings: dict[str, float]
-    thread: threading.Thread | None = None  # the writer
-    error: BaseException | None = None
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The arrays as torch tensors, sharing their memory (what the cache file's map would give)."""
-        out = {}
-        for name, array in self.arrays.items():
-            t = torch.from_numpy(array)
-            out[name] = t.view(torch.bfloat16) if self.dtypes[name] == "BF16" else t
-        return out
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the cache is written and in place (tests, shutdown); False on a timeout or a failure."""
-        if self.thread is not None:
-            self.thread.join(timeout)
-        return self.thread is not None and not self.thread.is_alive() and self.error is None
-
-
-def convert_serving(gguf_path: Path, out_dir: Path, quantization: str = "auto") -> Converting:
-    """Convert `gguf_path` into memory, then write it into `out_dir` on a background thread: a first start serves
-    from the arrays (the disk write is off its path); the cache appears whole once written (a crash mid-write
-    leaves a temporary folder, removed by the next conversion). Memory: the converted weights in RAM for this
-    process's life, instead of mapped from the cache file."""
-    import time
-
-    config, fast_tokenizer, tok_config, plan, timings = _prepare(gguf_path, out_dir, quantization)
-    tmp, lock = _temp_folder(out_dir)
-    reading = Path(tempfile.mkdtemp(prefix="brisk-converted-"))
-    try:
-        _write_small_files(tmp, gguf_path, config, fast_tokenizer, tok_config, quantization)
-        for f in tmp.iterdir():
-            if f.is_file() and f.suffix == ".json":
-                shutil.copy(f, reading / f.name)
-        t1 = time.perf_counter()
-        arrays = _materialize(plan, f"converting {out_dir.name}: tensors")
-        timings["convert"] = (time.perf_counter() - t1) * 1e3
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(reading, ignore_errors=True)
-        os.close(lock)
-        raise
-    converting = Converting(arrays, {name: dtype for name, dtype, _, _ in plan}, reading, timings)
-
-    def write() -> None:
-        try:
-            in_memory = [(name, dtype, shape, (lambda a=arrays[name]: a)) for name, dtype, shape, _ in plan]
-            _write_safetensors(tmp / "model.safetensors", in_memory, {"format": "pt", "brisk_layout": BRISK_LAYOUT},
-                               quiet=True)
-            _publish(tmp, out_dir)
-        except BaseException as e:  # noqa: BLE001 - a failed cache write costs the next start, never this one
-            converting.error = e
-            log.warning("the conversion cache %s was not written: %s", out_dir, e)
-            shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            os.close(lock)
-
-    converting.thread = threading.Thread(target=write, name="brisk-convert-cache", daemon=True)
-    converting.thread.start()
-    return converting
-
-
-def _materialize(plan, label: str) -> dict[str, np.ndarray]:
-    """Every planned tensor produced into one contiguous, writable array of its shape and dtype."""
-    from brisk.progress import Progress
-
-    arrays = {}
-    with Progress(label, len(plan)) as progress:
-        for name, dtype, shape, produce in plan:
-            progress.advance()
-            arrays[name] = _produced(name, dtype, shape, produce)
-    return arrays
-
-
-def _produced(name: str, dtype: str, shape, produce) -> np.ndarray:
-    """One planned tensor as a contiguous, writable array (a piece mapped read-only from the GGUF is copied)."""
-    produced = produce()
-    pieces = [np.asarray(p) for p in (produced if isinstance(produced, list) else [produced])]
-    np_dtype = np.dtype(_NUMPY_DTYPES[dtype])
-    if len(pieces) == 1:
-        array = np.array(pieces[0], dtype=np_dtype, order="C", copy=True if not pieces[0].flags.writeable else None)
-    else:
-        array = np.concatenate([p.astype(np_dtype, copy=False).reshape(-1) for p in pieces])
-    if array.size != int(np.prod(shape)):
-        raise ModelLoadError(f"tensor {name}: expected shape {shape}, got {[p.shape for p in pieces]}")
-    return array.reshape(shape)
 
 
 TEMP_MARK = ".tmp-"
