@@ -41,7 +41,8 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help="also start this llama-server after each pair")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    serve_args = argparse.Namespace(concurrency="1", long_prompt=0, llama_server=args.llama_server, work=args.work)
+    serve_args = argparse.Namespace(concurrency="1", long_prompt=0, llama_server=args.llama_server, work=args.work,
+                                    brisk_kv_memory=None)
     print(f"machine read bandwidth: {read_bandwidth_gbs()[0]:.1f} GB/s", flush=True)
     phase_name = "dequantize_write" if args.cold else "first_forward"
     kind = "cold" if args.cold else "warm"
