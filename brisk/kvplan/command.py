@@ -125,7 +125,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                "parameters_active": shape.parameters[1],
                "capacity_tokens": inputs.capacity_tokens, "max_model_len": max_model_len, "step_s": inputs.step_s,
                "fits": {k: v.to_dict() for k, v in fits.items()},
-               "strategies": [r.to_dict() for r in results], "recommendation": plan, "disk_tier": disk}
+               "strategies": [r.to_dict() for r in results], "recommendation": plan,
+               **({"disk_tier": disk} if disk is not None else {})}
         write_output(args.json_path, json.dumps(doc, indent=1) + "\n", "--json")
     if args.plot:
         for path in write_plots(args.plot, trace, fits, results):
