@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
+import os
 import struct
 import threading
 from pathlib import Path
@@ -27,25 +28,32 @@ DTYPES = {
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _PAGE = 4096
+_MAP_FIXED = 0x10  # Linux's (Python's mmap module does not name them)
+_MADV_POPULATE_WRITE = 23
 
 
 def read_header(path: Path) -> tuple[dict, int]:
     """Parse and validate the header. Returns (tensor entries, byte offset of the data)."""
-    size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes); re-download it")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, _MAX_HEADER_BYTES):
-            raise ModelLoadError(
-                f"{path}: corrupt or truncated safetensors header (claims {header_len} bytes, "
-                f"file has {size}); re-download it"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{path}: corrupt safetensors header ({e}); re-download it") from None
+        return parse_header(f, path.stat().st_size, path)
+
+
+def parse_header(f, size: int, path) -> tuple[dict, int]:
+    """`read_header` of a file-like positioned at the start of a safetensors image of `size` bytes (`path`
+    names it in errors)."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes); re-download it")
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > min(size - 8, _MAX_HEADER_BYTES):
+        raise ModelLoadError(
+            f"{path}: corrupt or truncated safetensors header (claims {header_len} bytes, "
+            f"file has {size}); re-download it"
+        )
+    try:
+        header = json.loads(f.read(header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: corrupt safetensors header ({e}); re-download it") from None
     if not isinstance(header, dict):
         raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object); re-download it")
     header.pop("__metadata__", None)
@@ -75,26 +83,72 @@ def _check_entry(path: Path, name: str, info: dict, data_bytes: int) -> None:
 
 
 class MappedFile:
-    """A private (copy-on-write) memory map; tensors made from it share its pages."""
+    """A private (copy-on-write) memory map; tensors made from it share its pages. `anonymous` makes one with no
+    file behind it yet (a first start's converted checkpoint, built in memory): `back_with` puts the file it was
+    written to behind the same addresses once it is."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | None, mm: mmap.mmap | None = None):
         self.path = path
-        with open(path, "rb") as f:
-            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if mm is None:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.mm = mm
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm)) if len(self.mm) else 0
+        self._held: list[tuple[int, int]] = []  # pages `release` kept while no file was behind them
+
+    @classmethod
+    def anonymous(cls, size: int) -> "MappedFile":
+        """`size` bytes of private, zeroed memory, in transparent huge pages where the kernel has them and faulted
+        in at once (MADV_POPULATE_WRITE, Linux 5.14+). On the 2-core VM, writing 4.5 GB into it took 0.75 s in
+        all, against 1.0-2.1 s in huge pages faulted one by one and 4.2-5.7 s in 4 KiB pages."""
+        mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                mm.madvise(mmap.MADV_HUGEPAGE)
+            mm.madvise(_MADV_POPULATE_WRITE)
+        except OSError:  # an older kernel: the pages fault in as they are written
+            pass
+        return cls(None, mm)
 
     def release(self, t: torch.Tensor) -> bool:
         """Drop the pages of `t` (a view of this map) from the process's memory; read again from
         the file only if touched again. For weights that live on in a packed copy. False if `t`
-        is not in this map (an anonymous tensor must keep its pages: for it this would zero them)."""
+        is not in this map (an anonymous tensor must keep its pages: for it this would zero them).
+        With no file behind the map yet, the pages are kept and dropped by `back_with`."""
         start = t.data_ptr() - self.base
         end = start + t.numel() * t.element_size()
         if start < 0 or end > len(self.mm) or not hasattr(self.mm, "madvise"):
             return False
         first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
-            self.mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+            if self.path is None:
+                self._held.append((first, last))
+            else:
+                self.mm.madvise(mmap.MADV_DONTNEED, first, last - first)
         return True
+
+    def back_with(self, path: Path) -> None:
+        """Map `path`, a file holding exactly this map's bytes, over this map's addresses (MAP_FIXED: the
+        tensors' pointers stay valid and read the same bytes): anonymous memory becomes the file's shared,
+        reclaimable page cache, as a start that maps the file has. Then drop the pages `release` kept."""
+        size = len(self.mm)
+        if path.stat().st_size != size:
+            raise ValueError(f"{path} has {path.stat().st_size} bytes, the map {size}")
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = libc.mmap(self.base, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        finally:
+            os.close(fd)
+        if got != self.base:
+            raise OSError(ctypes.get_errno(), f"mmap of {path} over the converted weights failed")
+        self.path = path
+        for first, last in self._held:
+            self.mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+        self._held.clear()
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         numel = 1
@@ -119,11 +173,13 @@ def load_file(path: Path) -> tuple[dict[str, torch.Tensor], MappedFile]:
     """All tensors of one safetensors file as zero-copy views, plus the map keeping them alive."""
     header, data_start = read_header(path)
     mapped = MappedFile(path)
-    tensors = {
-        name: mapped.tensor(data_start + info["data_offsets"][0], DTYPES[info["dtype"]], info["shape"])
-        for name, info in header.items()
-    }
-    return tensors, mapped
+    return tensors_of(mapped, header, data_start), mapped
+
+
+def tensors_of(mapped: MappedFile, header: dict, data_start: int) -> dict[str, torch.Tensor]:
+    """The tensors a parsed header names, as zero-copy views of `mapped` (a safetensors image)."""
+    return {name: mapped.tensor(data_start + info["data_offsets"][0], DTYPES[info["dtype"]], info["shape"])
+            for name, info in header.items()}
 
 
 class ShardPrefetcher:
