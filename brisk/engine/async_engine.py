@@ -149,6 +149,10 @@ class AsyncLLMEngine:
             return EngineDeadError(f"engine loop died: {self.error!r}")
         return EngineDeadError("engine is shut down")
 
+    def busy(self) -> bool:
+        """Requests in flight or on their way in (read from any thread: background work yields to them)."""
+        return bool(self._streams) or not self._commands.empty() or self.engine.has_unfinished_requests()
+
     # -- engine thread --------------------------------------------------------
     def _apply_commands(self) -> None:
         while True:

@@ -195,13 +195,19 @@ class LLMEngine:
 
     def _disk_tier(self) -> DiskTier | None:
         """The KV disk tier, when --kv-cache-dir names a folder: its fingerprint covers the model's files (names,
-        sizes, times), its config, weight formats and dtype, the KV dtype and the block size."""
+        sizes, times; a GGUF's own file, not its converted folder: a first start serves before that folder is
+        written, and a conversion made again keeps the tier), its config, weight formats and dtype, the KV dtype
+        and the block size."""
         cache = self.cache_config
         if cache.kv_cache_dir is None or not cache.enable_prefix_caching:
             return None
         loaded, folder = self.loaded, Path(self.loaded.model_dir)
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
-                       if f.is_file() and f.suffix in (".safetensors", ".gguf", ".json", ".bin", ".model"))
+        if loaded.report.format == "gguf":
+            source = Path(loaded.report.path)
+            files = [(source.name, source.stat().st_size, source.stat().st_mtime_ns)]
+        else:
+            files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                           if f.is_file() and f.suffix in (".safetensors", ".gguf", ".json", ".bin", ".model"))
         key = fingerprint(str(folder.resolve()), files, loaded.config, sorted(loaded.report.weight_formats.items()),
                              str(loaded.dtype), self.kv_dtype.name, cache.block_size)
         disk = DiskTier(cache.kv_cache_dir, key, cache.kv_cache_disk_bytes,

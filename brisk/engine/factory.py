@@ -212,13 +212,15 @@ def _load_async_engine(args: argparse.Namespace, max_model_len: int, chat_templa
         from brisk.loading.loader import load
     loaded = load(source or args.model, device=args.device, dtype=args.dtype, max_model_len=max_model_len,
                   quantization=args.quantization, report=report, kv_cache_dtype=args.kv_cache_dtype,
-                  pooling=args.pooling)
+                  pooling=args.pooling, convert_in_memory=True)
     if chat_template is not None:
         loaded.tokenizer.set_chat_template(chat_template)
     with report.phase("engine"):
         built = build_engine(args, loaded)
         report.kv_cache_dtype = built.kv_dtype.name
         engine = AsyncLLMEngine(built)
+    if loaded.conversion is not None:  # a first start: its conversion cache is written while the engine idles
+        loaded.conversion.write_behind(busy=engine.busy)
     for line in report.lines():
         logging.getLogger("brisk.server").info("%s", line)
     return engine

@@ -48,6 +48,9 @@ class LoadedModel:
     mapped_files: list[Any] = field(default_factory=list, repr=False)
     # an embedding model's pooling (brisk.loading.pooling): it serves /v1/embeddings, not generation
     pooling: Pooling | None = None
+    # a GGUF's first start with `convert_in_memory`: served from the converted image while the cache is written
+    # behind (brisk.loading.conversion_image.ConvertedImage; the server starts its writer once ready)
+    conversion: Any = None
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -365,8 +368,11 @@ def _warmup(model: DecoderForCausalLM, cfg: ModelConfig, device, dtype,
 
 def load(model: "str | ModelSource | None" = None, *, device: str | None = None, dtype: str | None = None,
          max_model_len: int | None = None, warmup: bool = True, quantization: str = "auto",
-         report: LoadReport | None = None, kv_cache_dtype: str = "auto", pooling: str = "auto") -> LoadedModel:
-    """`quantization`: auto (a GGUF keeps its quantized types; a float checkpoint stays float, and
+         report: LoadReport | None = None, kv_cache_dtype: str = "auto", pooling: str = "auto",
+         convert_in_memory: bool = False) -> LoadedModel:
+    """`convert_in_memory` (brisk serve): a GGUF's first start runs from its conversion built in memory and leaves
+    the cache to be written behind it (`loaded.conversion.write_behind`), instead of writing it first.
+    `quantization`: auto (a GGUF keeps its quantized types; a float checkpoint stays float, and
     on CPU a bfloat16/float16 one keeps its 16-bit weights: `_auto_weights`), none (everything
     float), int8 or int4 (every weight matrix quantized in blocks of 32), bf16 or f16 (weights
     stored in 16 bits, activations float32).
@@ -397,20 +403,29 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
     with report.phase("memory_check"):
         kv = resolve_kv_dtype(kv_cache_dtype, str(torch_dtype).removeprefix("torch."), dev.type)
         _check_memory(source.path, model_dir, quantization, max_model_len, dev, torch_dtype, kv)
+    image = None  # a first start's conversion in memory (convert_in_memory)
+    read_dir = model_dir  # where config.json and the tokenizer are read (the image's folder until it is in place)
     if source.kind == "gguf":
         if (model_dir / "config.json").exists():
             report.conversion_cache = "hit"
         else:
             report.conversion_cache = "miss"
-            for name, ms in gguf_convert.convert(source.path, model_dir, conversion).items():
+            if convert_in_memory:
+                from brisk.loading.conversion_image import ConvertedImage
+
+                image = ConvertedImage(source.path, model_dir, conversion)
+                read_dir, timings = image.folder, image.timings
+            else:
+                timings = gguf_convert.convert(source.path, model_dir, conversion)
+            for name, ms in timings.items():
                 report.add(name, ms)
     else:
         report.format = "safetensors"
 
     with report.phase("config"):
-        raw_config = _read_json(model_dir / "config.json")
+        raw_config = _read_json(read_dir / "config.json")
         cfg = ModelConfig.from_hf_dict(raw_config, str(model_dir / "config.json"))
-        embedding = pooling_of(model_dir, raw_config, pooling)
+        embedding = pooling_of(read_dir, raw_config, pooling)
         if embedding is not None:  # no LM head: the final hidden states are the output
             cfg = cfg.replace(tie_word_embeddings=False)
             report.pooling = embedding.describe()
@@ -422,7 +437,10 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
         if max_len <= 0:
             raise BriskError(f"--max-model-len {max_len} must be positive")
     with report.phase("open_mmap"):
-        shards, maps, prefetcher = safetensors_io.load_checkpoint(model_dir)
+        if image is None:
+            shards, maps, prefetcher = safetensors_io.load_checkpoint(model_dir)
+        else:
+            shards, maps, prefetcher = [image.tensors()], [image.mapped], safetensors_io.ShardPrefetcher([])
     with report.phase("module_build"):
         with torch.device("meta"):
             net = DecoderForCausalLM(cfg)
@@ -463,11 +481,12 @@ def load(model: "str | ModelSource | None" = None, *, device: str | None = None,
             raise ModelLoadError(f"{model_dir}: weights do not match config.json ({first})") from None
         net.eval().requires_grad_(False)
     with report.phase("tokenizer"):
-        tokenizer = Tokenizer.from_dir(model_dir, _eos_ids(model_dir, cfg))
+        tokenizer = Tokenizer.from_dir(read_dir, _eos_ids(read_dir, cfg))
         if cfg.architecture == "GptOssForCausalLM":  # a harmony reply ends at <|return|> or at a call's <|call|>
             stops = [tokenizer.fast.token_to_id(t) for t in HARMONY_STOPS]
             tokenizer.eos_token_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *(i for i in stops if i is not None)]))
     if warmup:
         with report.phase("first_forward"):
             _warmup(net, cfg, dev, torch_dtype, maps)
-    return LoadedModel(net, tokenizer, cfg, model_dir, dev, torch_dtype, max_len, report, source.name, maps, embedding)
+    return LoadedModel(net, tokenizer, cfg, model_dir, dev, torch_dtype, max_len, report, source.name, maps, embedding,
+                       image)
