@@ -74,6 +74,68 @@ def test_a_restart_finds_the_prefix_on_disk_and_answers_as_if_cold(demo, cold, t
     second.close()
 
 
+def _slow_disk(eng):
+    """The engine's disk tier reads only once the returned event is set (a slow disk, held still)."""
+    import threading
+
+    release, read = threading.Event(), eng.disk.get
+
+    def held_get(block_hash):
+        assert release.wait(60), "the test never released the disk"
+        return read(block_hash)
+
+    eng.disk.get = held_get
+    return release
+
+
+def test_other_requests_run_while_a_prefix_is_read_from_disk(demo, cold, tmp_path):
+    """A prefix on disk is read on the tier's own thread: the request waits for it, the others' steps do not."""
+    first = engine(demo, tmp_path)
+    run(first, [prompt(demo, "Do you fix flat tyres?")])
+    first.close()
+
+    second = engine(demo, tmp_path)
+    release = _slow_disk(second)
+    waiting = second.add_request(prompt(demo, "Where is my order?"), GREEDY)  # first in the queue
+    other = second.add_request(demo.tokenizer.encode("Bicycles have two wheels and"), GREEDY)
+    finished = {}
+    for _ in range(200):  # the other request runs to its end while the disk holds the first one's read
+        finished.update({o.request_id: o for o in second.step() if o.finished})
+        if other in finished:
+            break
+    assert other in finished and len(finished[other].token_ids) == GREEDY.max_tokens
+    assert waiting not in finished and second.kv.disk_reads_under_way()
+    assert second.scheduler.requests[waiting].num_computed_tokens == 0
+    release.set()
+    for _ in range(500):
+        finished.update({o.request_id: o for o in second.step() if o.finished})
+        if waiting in finished:
+            break
+    out = finished[waiting]
+    assert out.token_ids == cold["Where is my order?"]  # its prefix came from disk, and the tokens are the same
+    assert out.num_cached_prompt_tokens >= len(SYSTEM) // 8 and second.disk.stats.hits > 0
+    stats = second.stats()
+    assert stats.kv_disk_loads == 1 and stats.kv_disk_load_seconds > 0
+    second.close()
+
+
+def test_a_request_aborted_while_its_prefix_is_read_drops_the_read(demo, tmp_path):
+    first = engine(demo, tmp_path)
+    run(first, [prompt(demo, "Do you fix flat tyres?")])
+    first.close()
+
+    second = engine(demo, tmp_path)
+    release = _slow_disk(second)
+    rid = second.add_request(prompt(demo, "Where is my order?"), GREEDY)
+    second.step()
+    assert second.kv.disk_reads_under_way()
+    assert second.abort(rid)
+    release.set()
+    second.disk.close()  # the reader ends after the read under way
+    assert not second.kv.disk_reads_under_way() and not second.disk.reading() and not second.disk._reads
+    assert not second.has_unfinished_requests() and second.kv.num_free_blocks == 512
+
+
 def test_blocks_never_cross_salts_or_kv_dtypes(demo, tmp_path):
     p = prompt(demo, "Do you fix flat tyres?")
     first = engine(demo, tmp_path, kv_cache_dtype="float32")

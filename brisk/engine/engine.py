@@ -35,6 +35,7 @@ log = logging.getLogger("brisk.engine")
 
 
 REPEATED_TOOL_CALL = "repeated_tool_call"  # the stop_reason of a reply ended at a repeated call
+DISK_READ_WAIT_S = 0.01  # an idle engine waits this long at most for a disk read before it looks again
 
 
 class RequestError(ParamError, BriskError):
@@ -242,6 +243,8 @@ class LLMEngine:
             self._propose(failed)
         out = self.scheduler.schedule()
         if not out.chunks:
+            if self.disk is not None and self.kv.disk_reads_under_way():
+                self.disk.wait_read(DISK_READ_WAIT_S)  # nothing runs until a prefix comes from disk
             return failed
         if self.drafter is not None:
             self.drafter.draft(out.chunks)
@@ -507,4 +510,4 @@ class LLMEngine:
         return {"kv_disk_hits_tokens": self.kv.disk_hits_tokens, "kv_disk_blocks_read": d.hits,
                 "kv_disk_blocks_corrupt": d.corrupt, "kv_disk_blocks_written": d.written,
                 "kv_disk_blocks_not_written": d.dropped + d.write_errors, "kv_disk_budget_bytes": self.disk.max_bytes,
-                "kv_disk_bytes": self.disk.size_bytes}
+                "kv_disk_bytes": self.disk.size_bytes, "kv_disk_loads": d.loads, "kv_disk_load_seconds": d.load_seconds}

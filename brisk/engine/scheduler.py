@@ -5,7 +5,9 @@ There is no prefill phase and no decode phase: every request has
 requests catch up. Running requests go first (a decode needs one token, an
 unfinished prompt gets the next chunk), then waiting requests are admitted while
 budget, sequence slots and KV blocks last. So a long prompt is prefilled in chunks
-between other streams' decode steps instead of stalling them.
+between other streams' decode steps instead of stalling them. A waiting request whose
+cached prefix is being read from the KV disk tier is passed over until its blocks are in
+memory; the requests behind it are admitted meanwhile.
 
 When KV blocks run out, the newest running request is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed later. The
@@ -147,13 +149,17 @@ class Scheduler:
         self.kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            if not request.reads_every_position and self.kv.disk_read_pending(request):
+                i += 1  # its prefix is on its way from disk: those behind it go first meanwhile
+                continue
             prefix = self.kv.find_cached_prefix(request) if not request.reads_every_position else PrefixHit([], 0)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             if self.kv.allocate_slots(request, num_new, prefix) is None:
-                break  # memory is full; FCFS: nobody overtakes the head of the queue
-            self.waiting.pop(0)
+                break  # memory is full; FCFS: nobody overtakes the first request that can be admitted
+            self.waiting.pop(i)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = prefix.num_tokens
             if request.num_preemptions == 0:

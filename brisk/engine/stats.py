@@ -40,6 +40,8 @@ class EngineStats:
     kv_disk_blocks_not_written: int = 0
     kv_disk_budget_bytes: int = 0  # --kv-cache-disk-bytes where --kv-cache-dir is set; 0: no disk tier
     kv_disk_bytes: int = 0  # what the tier's folder holds now (as this process last measured it)
+    kv_disk_loads: int = 0  # prefixes read from the disk tier (off the engine's thread)
+    kv_disk_load_seconds: float = 0.0  # the time those reads took, in all
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -171,6 +171,10 @@ class _EngineCollector:
             ("brisk:kv_disk_blocks_corrupt", "Disk-tier files refused (checksum, length) and removed: a miss.",
              lambda s: s.kv_disk_blocks_corrupt),
             ("brisk:kv_disk_blocks_written", "KV blocks written to the disk tier.", lambda s: s.kv_disk_blocks_written),
+            ("brisk:kv_disk_loads", "Cached prefixes read from the disk tier (a waiting request's blocks, read off the "
+             "engine's thread).", lambda s: s.kv_disk_loads),
+            ("brisk:kv_disk_load_seconds", "Seconds the disk tier's reads took in all (divided by brisk:kv_disk_loads: "
+             "the mean load latency).", lambda s: s.kv_disk_load_seconds),
             ("brisk:kv_disk_blocks_not_written", "KV blocks not written to the disk tier (its queue full, or the disk "
              "failed).", lambda s: s.kv_disk_blocks_not_written),
         ]

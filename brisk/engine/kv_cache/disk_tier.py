@@ -13,8 +13,9 @@ time); with several writers, each measures the folder again every RESCAN_EVERY w
 so the folder may pass its budget by what the writers wrote in between, and is back under it when they
 stop. A process killed mid-write leaves a temporary file, never a `.kvb`; the next tier on the folder
 removes the temporary files of writers that are gone. Writes go through a bounded queue to one background thread: a step never waits for the disk
-to write; reads happen when the scheduler admits a request (a disk read of a few hundred KB per
-block, instead of recomputing it).
+to write. Reads do not hold steps up either: a request whose prefix continues on disk is read ahead on a second
+thread (`read_ahead`, a few hundred KB per block instead of recomputing it) while the scheduler admits others, and
+is admitted with the blocks once they are in memory (`take_read`).
 
 Torch-free: the engine hands bytes in and takes bytes out.
 """
@@ -26,6 +27,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,8 @@ class DiskTierStats:
     evicted: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    loads: int = 0  # prefixes read ahead (one or more blocks each)
+    load_seconds: float = 0.0  # time those reads took, in all
 
 
 def check_folder(folder: Path | str, flag_value: Path | str | None = None) -> None:
@@ -95,10 +99,72 @@ class DiskTier:
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="brisk-kv-disk", daemon=True)
         self._writer.start()
+        # reads ahead: key -> None while reading, then the payloads read; a key forgotten mid-read is dropped
+        self._reads: dict[str, list[bytes] | None] = {}
+        self._reads_lock = threading.Lock()
+        self._read_queue: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue()
+        self._read_done = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="brisk-kv-disk-read", daemon=True)
+        self._reader.start()
 
-    # -- reads (the scheduler's thread) --------------------------------------------------------
+    # -- reads ------------------------------------------------------------------------------------------
     def path(self, block_hash: bytes) -> Path:
         return self.folder / (block_hash.hex() + SUFFIX)
+
+    def has(self, block_hash: bytes) -> bool:
+        """Whether the block's file is there (one stat; its bytes are checked when read)."""
+        return self.path(block_hash).is_file()
+
+    def read_ahead(self, key: str, hashes: list[bytes]) -> None:
+        """Read these consecutive blocks on the reader thread, up to the first one missing or refused;
+        `take_read(key)` hands them over once read."""
+        with self._reads_lock:
+            self._reads[key] = None
+        self._read_queue.put((key, list(hashes)))
+
+    def take_read(self, key: str) -> list[bytes] | None:
+        """The payloads read for `key` (possibly none), once; None while the read is under way."""
+        with self._reads_lock:
+            if self._reads.get(key) is None:
+                return None
+            return self._reads.pop(key)
+
+    def reading(self) -> bool:
+        """Whether a read ahead is under way."""
+        with self._reads_lock:
+            return any(v is None for v in self._reads.values())
+
+    def forget_read(self, key: str) -> None:
+        """Drop `key`'s read (its request is gone): a read under way is thrown away when it ends."""
+        with self._reads_lock:
+            self._reads.pop(key, None)
+
+    def wait_read(self, timeout: float) -> None:
+        """Wait until a read ahead ends, or `timeout` seconds (an engine with nothing else to do)."""
+        self._read_done.wait(timeout)
+        self._read_done.clear()
+
+    def _read_loop(self) -> None:
+        while True:
+            item = self._read_queue.get()
+            if item is None:
+                return
+            key, hashes = item
+            t0 = time.perf_counter()
+            payloads = []
+            for block_hash in hashes:
+                if key not in self._reads:  # forgotten: stop reading for it
+                    break
+                payload = self.get(block_hash)
+                if payload is None:
+                    break
+                payloads.append(payload)
+            self.stats.loads += 1
+            self.stats.load_seconds += time.perf_counter() - t0
+            with self._reads_lock:
+                if key in self._reads:
+                    self._reads[key] = payloads
+            self._read_done.set()
 
     def get(self, block_hash: bytes) -> bytes | None:
         """The block's bytes, or None (not there, or refused: the file is then removed)."""
@@ -149,7 +215,9 @@ class DiskTier:
         """Write what is queued, then stop the writer; the folder is left within its budget."""
         self.flush()
         self._queue.put(None)
+        self._read_queue.put(None)
         self._writer.join(timeout=30)
+        self._reader.join(timeout=30)
         with self._lock:
             if sum(self._sizes().values()) > self.max_bytes:
                 self._evict()

@@ -4,9 +4,11 @@ It answers "give this request slots for N more tokens" with the new blocks or wi
 None when memory is full (a normal condition the scheduler handles by waiting or
 preempting), finds the longest cached prefix of a new request, registers full
 blocks in the prefix cache once computed, and frees a request's blocks. With a disk tier
-(disk_tier.py), a prefix continues past the pool's cached blocks with blocks read from disk: they get
-fresh blocks whose bytes the engine copies in before the step's forward (`take_loads`), and every full
-block computed is handed to the engine to write out (`take_written`).
+(disk_tier.py), a prefix continues past the pool's cached blocks with blocks read from disk: the scheduler
+asks `disk_read_pending` before admitting a request, which starts the read on the tier's reader thread the
+first time (other requests are admitted meanwhile); once read, the blocks get fresh blocks whose bytes the
+engine copies in before the step's forward (`take_loads`). Every full block computed is handed to the engine
+to write out (`take_written`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ class KVCacheUsage:
         return 1 - self.num_used_slots / (self.num_used_blocks * self.block_size)
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """A disk read under way for these consecutive blocks."""
+    hashes: list[BlockHash]
+
+
 # Stands in a request's block list for a block freed because it fell out of the sliding window:
 # positions keep their block index, and the block table points at block 0 there (finite values,
 # never read: the window excludes those positions).
@@ -85,6 +93,8 @@ class KVCacheManager:
         self.disk_hits_tokens = 0
         self._loads: list[tuple[int, bytes]] = []
         self._written: list[tuple[int, BlockHash]] = []
+        # a waiting request's disk read: READING while under way, then the blocks read (hash -> bytes)
+        self._disk_reads: dict[str, dict[BlockHash, bytes] | _Reading] = {}
 
     def _hashes(self, request: CacheableRequest) -> list[BlockHash]:
         known = self.req_hashes.get(request.request_id)
@@ -92,14 +102,10 @@ class KVCacheManager:
         self.req_hashes[request.request_id] = hashes
         return hashes
 
-    def find_cached_prefix(self, request: CacheableRequest) -> PrefixHit:
-        """Longest run of cached full blocks at the start of the request's tokens.
-
-        At least one token is always left to compute, since its logits are needed."""
-        if not self.pool.enable_caching:
-            return PrefixHit([], 0)
-        num_tokens = len(request.all_token_ids)
-        max_blocks = (num_tokens - 1) // self.block_size
+    def _pool_prefix(self, request: CacheableRequest) -> tuple[list[KVBlock], list[BlockHash]]:
+        """The request's leading blocks found in the pool, and the hashes of the full blocks after them (at least
+        one token is always left to compute, since its logits are needed)."""
+        max_blocks = (len(request.all_token_ids) - 1) // self.block_size
         blocks = []
         hashes = self._hashes(request)[:max_blocks]
         for block_hash in hashes:
@@ -107,14 +113,50 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        return blocks, hashes[len(blocks):]
+
+    def find_cached_prefix(self, request: CacheableRequest) -> PrefixHit:
+        """Longest run of cached full blocks at the start of the request's tokens: the pool's, then those its
+        disk read brought (`disk_read_pending`)."""
+        if not self.pool.enable_caching:
+            return PrefixHit([], 0)
+        blocks, rest = self._pool_prefix(request)
         loaded = []
-        if self.disk is not None:
-            for block_hash in hashes[len(blocks):]:
-                payload = self.disk.get(block_hash)
+        read = self._disk_reads.get(request.request_id)
+        if isinstance(read, dict):
+            for block_hash in rest:
+                payload = read.get(block_hash)
                 if payload is None:
                     break
                 loaded.append((block_hash, payload))
         return PrefixHit(blocks, (len(blocks) + len(loaded)) * self.block_size, loaded)
+
+    def disk_read_pending(self, request: CacheableRequest) -> bool:
+        """Whether the request waits for its prefix to be read from disk. The first call for a request whose
+        prefix continues on disk past the pool's blocks starts the read (on the tier's reader thread) and
+        answers True; later calls answer True until the blocks are in memory."""
+        if self.disk is None:
+            return False
+        rid = request.request_id
+        read = self._disk_reads.get(rid)
+        if read is None:
+            _, rest = self._pool_prefix(request)
+            if not rest or not self.disk.has(rest[0]):
+                self._disk_reads[rid] = {}
+                return False
+            self.disk.read_ahead(rid, rest)
+            self._disk_reads[rid] = _Reading(rest)
+            return True
+        if isinstance(read, _Reading):
+            payloads = self.disk.take_read(rid)
+            if payloads is None:
+                return True
+            self._disk_reads[rid] = dict(zip(read.hashes, payloads))  # up to the first block missing on disk
+        return False
+
+    def disk_reads_under_way(self) -> bool:
+        """Whether a waiting request's disk read is under way (an engine with nothing to run waits for it)."""
+        return any(isinstance(read, _Reading) for read in self._disk_reads.values())
 
     def allocate_slots(self, request: CacheableRequest, num_new_tokens: int,
                        prefix: PrefixHit | None = None) -> list[KVBlock] | None:
@@ -143,6 +185,8 @@ class KVCacheManager:
                 self.pool.cache(block, block_hash)
                 self._loads.append((block.block_id, payload))
             self.req_num_cached_blocks[rid] = len(shared) + len(prefix.loaded)
+        if prefix is not None:
+            self._disk_reads.pop(rid, None)  # admitted: a later admission (after a preemption) looks again
         self.req_blocks[rid] = held + shared + new_blocks
         ids = self.req_block_ids.setdefault(rid, [])
         ids.extend(b.block_id for b in shared)
@@ -228,6 +272,8 @@ class KVCacheManager:
         self.req_num_tokens.pop(request_id, None)
         self.req_num_cached_blocks.pop(request_id, None)
         self.req_num_window_freed.pop(request_id, None)
+        if self._disk_reads.pop(request_id, None) is not None and self.disk is not None:
+            self.disk.forget_read(request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block ids."""
