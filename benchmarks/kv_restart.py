@@ -18,6 +18,13 @@ history); the server is SIGTERMed and started again, and every user sends a four
 turns' TTFT p50/p90 and cached prompt tokens after the restart, with and without the tier. (`brisk bench
 --workload replay` replays a recorded trace's prompt lengths with new text: no prefix of a chat survives in
 it, so the chats are driven here, with their real texts.)
+
+`--stall TREE[,TREE...]`: what a prefix read from disk costs the other streams. For each source tree (a checkout
+with its kernels built; `python -m brisk` runs from it): start with the tier, cache the long system prompt, restart,
+start --streams greedy streams of short prompts (256-token replies), and once they decode send the long prompt,
+whose prefix now comes from disk. Reported: the streams' largest gap between two tokens from that request's arrival
+to its first token, against their median gap before it, and the request's TTFT. Compare a tree whose disk reads
+block the engine's step with one that reads them on a thread.
 """
 
 from __future__ import annotations
@@ -51,14 +58,14 @@ def system_prompt(words: int) -> str:
     return "You answer from this manual.\n" + " ".join(rng.choice(WORDS, words))
 
 
-def start(model: str, args, disk: Path | None) -> tuple[subprocess.Popen, str]:
+def start(model: str, args, disk: Path | None, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "brisk", "serve", model, "--port", str(port), "--max-model-len",
            str(min(args.prefix_tokens + (args.document_tokens + 1024 if args.replay else 512), 8192)),
            "--kv-cache-memory", "1GiB"]
     if disk is not None:
         cmd += ["--kv-cache-dir", str(disk)]
-    proc = subprocess.Popen(cmd, stdout=open(args.work / "kv_restart.log", "a"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=open(args.work / "kv_restart.log", "a"), stderr=subprocess.STDOUT, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     wait_health(url, proc, "/ready")
     return proc, url
@@ -133,6 +140,58 @@ def replay(model: str, args) -> None:
     print(f"TTFT p50 after a restart, without the tier / with it: {p50s['no tier'] / p50s['--kv-cache-dir']:.1f}x")
 
 
+def token_times(url: str, prompt: str, max_tokens: int, times: list[float]) -> None:
+    """Stream one greedy completion, appending each content delta's arrival time to `times`."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                times.append(time.perf_counter())
+
+
+def stall(model: str, args) -> None:
+    """--stall: the other streams' largest gap while a long prefix is read back from disk, per source tree."""
+    import threading
+
+    system = system_prompt(int(args.prefix_tokens / 1.04))
+    print(f"{args.streams} streams decoding; then a {args.prefix_tokens}-token prompt whose prefix is on disk")
+    print("| tree | streams' median gap before | largest gap after the long prompt arrives | its TTFT | cached |")
+    print("|---|---|---|---|---|")
+    for tree in [Path(t).resolve() for t in args.stall.split(",")]:
+        folder = Path(tempfile.mkdtemp(prefix="kv-stall-", dir=args.work))
+        try:
+            proc, url = start(model, args, folder, tree)
+            try:
+                ask(url, system, "Question A: how are brakes adjusted?")
+            finally:
+                stop(proc)
+            proc, url = start(model, args, folder, tree)
+            try:
+                times: list[list[float]] = [[] for _ in range(args.streams)]
+                threads = [threading.Thread(target=token_times, args=(url, f"Tell me a story number {i}.", 256, t))
+                           for i, t in enumerate(times)]
+                for t in threads:
+                    t.start()
+                deadline = time.perf_counter() + 120
+                while min(len(t) for t in times) < 32 and time.perf_counter() < deadline:
+                    time.sleep(0.05)
+                sent = time.perf_counter()
+                ttft, _, cached = ask(url, system, "Question B: how is a chain replaced?")
+                first = sent + ttft
+                for t in threads:
+                    t.join()
+            finally:
+                stop(proc)
+            before = [b - a for t in times for a, b in zip(t, t[1:]) if b < sent]
+            during = [b - a for t in times for a, b in zip(t, t[1:]) if b > sent and a < first]
+            print(f"| {tree.name} | {np.median(before) * 1e3:.0f} ms | {max(during, default=0) * 1e3:.0f} ms | "
+                  f"{ttft:.2f} s | {cached} |", flush=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
@@ -147,6 +206,9 @@ def main() -> None:
     parser.add_argument("--replay", type=int, default=0, metavar="N",
                         help="N users' multi-turn chats across the restart instead (see the docstring)")
     parser.add_argument("--document-tokens", type=int, default=600, help="--replay: each user's document")
+    parser.add_argument("--stall", default=None, metavar="TREE[,TREE]",
+                        help="the other streams' gap while a prefix is read from disk, per source tree (docstring)")
+    parser.add_argument("--streams", type=int, default=4, help="--stall: streams decoding meanwhile")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     model = str(model_path("Q4_0", args.work, args.shape, None)) if args.shape else args.model
@@ -154,6 +216,8 @@ def main() -> None:
     print(f"machine read bandwidth: {bandwidth:.1f} GB/s ({how}); model {Path(model).name}", flush=True)
     if args.replay:
         return replay(model, args)
+    if args.stall:
+        return stall(model, args)
     words = int(args.prefix_tokens / 1.04)  # ~1.04 tokens a word of WORDS in the demo vocabulary (measured)
     print("| mode | prompt tokens | TTFT, cold | TTFT after SIGTERM + restart | cached after restart | cold / restart |")
     print("|---|---|---|---|---|---|")
