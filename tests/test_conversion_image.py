@@ -130,6 +130,30 @@ def test_patience_bounds_the_wait_on_a_busy_engine(tmp_path, small_gguf, monkeyp
     assert image.wait(60)
 
 
+def test_a_full_disk_costs_the_cache_never_the_served_weights(tmp_path, small_gguf, monkeypatch, caplog):
+    """The cache write fails (ENOSPC): one warning, no cache and no temporary folder left, and the weights the
+    server answers from stay what they were (the image is not backed by a half-written file)."""
+    import errno
+
+    image = ConvertedImage(small_gguf, tmp_path / "m")
+    tensors = image.tensors()
+    before = {name: t.clone() for name, t in tensors.items()}
+    temp = image.folder
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(conversion_image.os, "write", full_disk)
+    with caplog.at_level("WARNING", logger="brisk.loading"):
+        image.write_behind()
+        assert not image.wait(60)
+    assert isinstance(image.error, OSError) and image.error.errno == errno.ENOSPC
+    assert "was not written" in caplog.text and "converts the file again" in caplog.text
+    assert not (tmp_path / "m").exists() and not temp.exists()
+    assert image.mapped.path is None
+    assert all(torch.equal(tensors[name], before[name]) for name in before)
+
+
 _KILLED_MID_WRITE = """
 import os, signal, sys
 from pathlib import Path

@@ -93,7 +93,7 @@ class KVCacheManager:
         self.disk_hits_tokens = 0
         self._loads: list[tuple[int, bytes]] = []
         self._written: list[tuple[int, BlockHash]] = []
-        # a waiting request's disk read: READING while under way, then the blocks read (hash -> bytes)
+        # a waiting request's disk read: a _Reading while under way, then the blocks read (hash -> bytes)
         self._disk_reads: dict[str, dict[BlockHash, bytes] | _Reading] = {}
 
     def _hashes(self, request: CacheableRequest) -> list[BlockHash]:
