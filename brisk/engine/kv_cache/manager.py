@@ -87,8 +87,8 @@ class KVCacheManager:
         self.req_num_window_freed: dict[str, int] = {}  # leading blocks freed out of the sliding window
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
-        # the disk tier (a DiskTier, or None): blocks read at admission wait in `_loads` for the engine
-        # to copy in; blocks registered in the prefix cache wait in `_written` to be written out
+        # the disk tier (a DiskTier, or None): blocks read for a request admitted with them wait in `_loads` for
+        # the engine to copy in; blocks registered in the prefix cache wait in `_written` to be written out
         self.disk = disk if enable_prefix_caching else None
         self.disk_hits_tokens = 0
         self._loads: list[tuple[int, bytes]] = []
