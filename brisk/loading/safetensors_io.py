@@ -83,6 +83,16 @@ def _check_entry(path: Path, name: str, info: dict, data_bytes: int) -> None:
         )
 
 
+def _libc() -> ctypes.CDLL:
+    """libc's mmap and madvise, which Python's mmap module cannot aim at an address (and whose madvise holds the
+    GIL); ctypes lets the GIL go during the call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return libc
+
+
 class MappedFile:
     """A private (copy-on-write) memory map; tensors made from it share its pages. `anonymous` makes one with no
     file behind it yet (a first start's converted checkpoint, built in memory): `back_with` puts the file it was
@@ -111,9 +121,7 @@ class MappedFile:
         # through libc, not mmap.madvise: ctypes lets the GIL go, so the server's event loop keeps answering
         # (/ready, /health) while the kernel faults gigabytes in (2-13 s on a busy VM); an older kernel
         # refuses the advice, and the pages fault in as they are written
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(ctypes.c_void_p(mapped.base), len(mm), _MADV_POPULATE_WRITE)
+        _libc().madvise(mapped.base, len(mm), _MADV_POPULATE_WRITE)
         return mapped
 
     def release(self, t: torch.Tensor) -> bool:
@@ -140,10 +148,7 @@ class MappedFile:
         size = len(self.mm)
         if path.stat().st_size != size:
             raise ValueError(f"{path} has {path.stat().st_size} bytes, the map {size}")
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc = _libc()
         fd = os.open(path, os.O_RDONLY)
         try:
             got = libc.mmap(self.base, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)

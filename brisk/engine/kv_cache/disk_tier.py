@@ -129,11 +129,6 @@ class DiskTier:
                 return None
             return self._reads.pop(key)
 
-    def reading(self) -> bool:
-        """Whether a read ahead is under way."""
-        with self._reads_lock:
-            return any(v is None for v in self._reads.values())
-
     def forget_read(self, key: str) -> None:
         """Drop `key`'s read (its request is gone): a read under way is thrown away when it ends."""
         with self._reads_lock:
