@@ -435,6 +435,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # brisk/kv_dtype.py: auto, float32, bfloat16, float16, fp8(_e4m3/_e5m2), int8
     kv_cache_dir: str | None = None  # the disk tier's folder (brisk/engine/kv_cache/disk_tier.py); None: no disk tier
     kv_cache_disk_bytes: int = 16 * 2**30  # the disk tier's budget in that folder
+    kv_cache_host_bytes: int = 0  # the host tier's budget (brisk/engine/kv_cache/host_tier.py); 0: no host tier
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

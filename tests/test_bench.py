@@ -65,9 +65,9 @@ def test_the_result_table_is_readable_at_80_columns():
     assert "…" not in text and "TTFT p50 ms" in text
 
 
-def test_the_disk_tiers_part_of_the_cache_hits_is_reported():
-    """brisk's usage.brisk.cached_prompt_tokens_by_tier: the disk's part of the prefix-cache hits, in the summary and
-    in the table's cache column; absent (a peer, or a reply without it), nothing is claimed."""
+def test_the_tiers_parts_of_the_cache_hits_are_reported():
+    """brisk's usage.brisk.cached_prompt_tokens_by_tier: the host and disk tiers' parts of the prefix-cache hits, in
+    the summary and in the table's cache column; absent (a peer, or a reply without it), nothing is claimed."""
     from brisk.bench.report import _cache_hits
 
     def record(cached, disk):
@@ -80,6 +80,17 @@ def test_the_disk_tiers_part_of_the_cache_hits_is_reported():
     assert _cache_hits(s) == "60% (30% disk)" and s.to_dict()["disk_hit_rate"] == 0.3
     peer = summarize([record(80, None), record(40, 0)])
     assert peer.disk_cached_input_tokens is None and _cache_hits(peer) == "60%"
+
+    def with_host(cached, host, disk):
+        r = record(cached, disk)
+        r.server_timings["cached_prompt_tokens_by_tier"] = {"memory": cached - host - disk, "host": host, "disk": disk}
+        return r
+
+    s = summarize([with_host(80, 20, 40), with_host(40, 10, 0)])
+    assert (s.host_cached_input_tokens, s.disk_cached_input_tokens) == (30, 40)
+    assert _cache_hits(s) == "60% (15% host, 20% disk)" and s.to_dict()["host_hit_rate"] == 0.15
+    # a reply from before the host tier (no "host" key) found nothing there
+    assert summarize([record(80, 60)]).host_cached_input_tokens == 0
 
 
 def test_goodput_counts_requests_meeting_every_slo():

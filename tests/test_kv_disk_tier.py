@@ -245,11 +245,11 @@ def test_brisk_serve_keeps_its_cached_prompts_across_a_sigterm_restart(demo, tmp
                 body["usage"]["brisk"]["cached_prompt_tokens_by_tier"])
 
     text, cached, hits, tiers = serve_once()
-    assert cached == 0 and hits == 0 and tiers == {"memory": 0, "disk": 0}
+    assert cached == 0 and hits == 0 and tiers == {"memory": 0, "host": 0, "disk": 0}
     again, cached, hits, tiers = serve_once()
     assert again == text
     assert cached >= 300 and hits == cached, (cached, hits)
-    assert tiers == {"memory": 0, "disk": cached}  # a new process: its pool was empty
+    assert tiers == {"memory": 0, "host": 0, "disk": cached}  # a new process: its pool was empty
 
 
 def test_brisk_serve_with_an_unwritable_folder_is_one_line_before_anything_loads(tmp_path):

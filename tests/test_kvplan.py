@@ -195,9 +195,10 @@ def test_cli_plans_chunked_prefill_with_serve_defaults(tmp_path):
     assert "--max-num-batched-tokens 512" in paged["brisk_serve_flags"]
 
 
-def test_cli_sizes_the_disk_tier(tmp_path, demo):
+def test_cli_sizes_the_disk_and_host_tiers(tmp_path, demo):
     """--disk-bytes: how many tokens brisk serve's --kv-cache-disk-bytes holds, in files of one block each, the
-    size the disk tier writes (its header plus the block's K, V and scales)."""
+    size the disk tier writes (its header plus the block's K, V and scales); --host-bytes: the same for
+    --kv-cache-host-bytes, whose blocks are the pool's bytes alone."""
     from brisk.engine.kv_cache.disk_tier import HEADER_BYTES
     from brisk.kv_dtype import resolve
 
@@ -207,14 +208,18 @@ def test_cli_sizes_the_disk_tier(tmp_path, demo):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "brisk", "kv-plan", "--trace", str(trace), "--memory", "256MiB",
                            "--max-model-len", "1024", "--block-sizes", "16", "--kv-dtype", "int8", "--disk-bytes",
-                           "1MiB", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "1MiB", "--host-bytes", "1MiB", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    disk = json.loads(out.read_text())["disk_tier"]
+    plan = json.loads(out.read_text())
+    disk, host = plan["disk_tier"], plan["host_tier"]
     block = demo.config.kv_bytes_per_token(resolve("int8", "float32", "cpu")) * 16
     assert disk["file_bytes"] == HEADER_BYTES + block
     assert disk["blocks"] == 2**20 // (HEADER_BYTES + block) and disk["tokens"] == 16 * disk["blocks"]
     assert disk["prompt_tokens"] == 3600 and disk["share_of_prompts"] == pytest.approx(disk["tokens"] / 3600)
     assert "disk tier: --kv-cache-disk-bytes 1MiB holds" in " ".join(proc.stdout.split())
+    assert host["file_bytes"] == block and host["blocks"] == 2**20 // block and host["tokens"] == 16 * host["blocks"]
+    assert f"host tier: --kv-cache-host-bytes 1MiB keeps {host['tokens']:,} tokens" in " ".join(proc.stdout.split())
 
 
 def test_readme_command_reproduces_the_docs(tmp_path):

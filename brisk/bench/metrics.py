@@ -38,11 +38,18 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.error is None and self.end_ts is not None
 
+    def tier_cached_tokens(self, tier: str) -> int | None:
+        """Of the cached prompt tokens, those brisk found in one KV tier ("host": --kv-cache-host-bytes, "disk":
+        --kv-cache-dir; usage.brisk's by-tier split); None where the reply did not say."""
+        tiers = (self.server_timings or {}).get("cached_prompt_tokens_by_tier")
+        if not isinstance(tiers, dict):
+            return None
+        value = tiers.get(tier, 0 if "disk" in tiers else None)  # a reply from before the host tier: none there
+        return value if isinstance(value, int) else None
+
     @property
     def disk_cached_tokens(self) -> int | None:
-        """Of the cached prompt tokens, those brisk read from its KV disk tier (usage.brisk's by-tier split)."""
-        tiers = (self.server_timings or {}).get("cached_prompt_tokens_by_tier")
-        return tiers.get("disk") if isinstance(tiers, dict) and isinstance(tiers.get("disk"), int) else None
+        return self.tier_cached_tokens("disk")
 
     @property
     def ttft_s(self) -> float | None:
@@ -115,6 +122,7 @@ class Summary:
     errors: dict[str, int] = field(default_factory=dict)
     cached_input_tokens: int | None = None  # prompt tokens the server served from its prefix cache
     disk_cached_input_tokens: int | None = None  # of those, read from brisk's KV disk tier (when every reply said)
+    host_cached_input_tokens: int | None = None  # of those, taken from brisk's KV host tier (likewise)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -128,6 +136,12 @@ class Summary:
             return None
         return self.disk_cached_input_tokens / self.total_input_tokens
 
+    @property
+    def host_hit_rate(self) -> float | None:
+        if self.host_cached_input_tokens is None or not self.total_input_tokens:
+            return None
+        return self.host_cached_input_tokens / self.total_input_tokens
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "duration": self.duration_s, "completed": self.completed, "failed": self.failed,
@@ -137,6 +151,7 @@ class Summary:
             "errors": self.errors, "cached_input_tokens": self.cached_input_tokens,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "disk_cached_input_tokens": self.disk_cached_input_tokens, "disk_hit_rate": self.disk_hit_rate,
+            "host_cached_input_tokens": self.host_cached_input_tokens, "host_hit_rate": self.host_hit_rate,
         }
         for name in ("ttft", "tpot", "itl", "e2el"):
             dist: Distribution | None = getattr(self, name)
@@ -160,8 +175,7 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> Summary:
     outputs = sum(r.output_tokens or 0 for r in ok)
     reported = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     cached = sum(reported) if ok and len(reported) == len(ok) else None  # only when every reply said
-    from_disk = [r.disk_cached_tokens for r in ok if r.disk_cached_tokens is not None]
-    disk = sum(from_disk) if ok and len(from_disk) == len(ok) else None
+    disk, host = (_tier_total(ok, tier) for tier in ("disk", "host"))
     return Summary(
         duration_s=duration, completed=len(ok), failed=len(records) - len(ok), total_input_tokens=inputs,
         total_output_tokens=outputs, request_throughput=len(ok) / duration, output_throughput=outputs / duration,
@@ -171,8 +185,14 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> Summary:
         itl=Distribution.of([gap for r in ok for gap in r.itl_s]),
         e2el=Distribution.of([r.e2e_s for r in ok]),
         goodput=None if slo is None else sum(slo.met_by(r) for r in ok) / duration,
-        errors=errors, cached_input_tokens=cached, disk_cached_input_tokens=disk,
+        errors=errors, cached_input_tokens=cached, disk_cached_input_tokens=disk, host_cached_input_tokens=host,
     )
+
+
+def _tier_total(ok: list[RequestRecord], tier: str) -> int | None:
+    """The prompt tokens the replies found in one of brisk's KV tiers, when every reply said."""
+    found = [r.tier_cached_tokens(tier) for r in ok]
+    return sum(found) if ok and None not in found else None
 
 
 @dataclass(frozen=True)

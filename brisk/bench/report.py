@@ -75,11 +75,12 @@ def _cells(r: RunResult) -> list[str]:
 
 
 def _cache_hits(s) -> str:
-    """The prefix cache's share of the prompt tokens, and (brisk with --kv-cache-dir) the disk tier's part of it."""
+    """The prefix cache's share of the prompt tokens, and (brisk with --kv-cache-host-bytes or --kv-cache-dir) the
+    host and disk tiers' parts of it."""
     if s.prefix_cache_hit_rate is None:
         return "–"
-    disk = s.disk_hit_rate
-    return f"{s.prefix_cache_hit_rate:.0%}" + (f" ({disk:.0%} disk)" if disk else "")
+    parts = [f"{rate:.0%} {tier}" for tier, rate in (("host", s.host_hit_rate), ("disk", s.disk_hit_rate)) if rate]
+    return f"{s.prefix_cache_hit_rate:.0%}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def console_table(results: list[RunResult], width: int | None = None):

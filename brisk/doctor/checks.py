@@ -135,10 +135,15 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
         status, summary = OK, (f"warm: first request {first or 0:.3f} s, then {steady_spread['min']:.3f}–"
                                f"{steady_spread['max']:.3f} s over {steady_spread['n']} requests"
                                if steady_spread else "warm")
-    tier = _kv_disk_tier(scrape(p))
+    metrics = scrape(p)
+    tier = _kv_disk_tier(metrics)
     data["kv_disk_tier"] = evidence["kv_disk_tier"] = tier
     if tier and tier["tokens_read"]:
         summary += f"; {tier['tokens_read']:,} prompt tokens read back from the KV disk tier since start"
+    host = _kv_host_tier(metrics)
+    data["kv_host_tier"] = evidence["kv_host_tier"] = host
+    if host and host["tokens_read"]:
+        summary += f"; {host['tokens_read']:,} prompt tokens taken back from the KV host tier since start"
     if status != OK:
         fixes += ["keep a warm replica, and route traffic only after /ready (or a warm-up request) succeeds",
                   "cache converted/compiled artefacts between restarts (brisk: $BRISK_CACHE; vLLM: compile cache)",
@@ -162,6 +167,17 @@ def _kv_disk_tier(metrics: dict[str, float]) -> dict[str, int] | None:
             "bytes": int(metrics.get("brisk:kv_disk_bytes", 0)),
             "tokens_read": int(metrics.get("brisk:kv_disk_hits_total", 0)),
             "blocks_written": int(metrics.get("brisk:kv_disk_blocks_written_total", 0))}
+
+
+def _kv_host_tier(metrics: dict[str, float]) -> dict[str, int] | None:
+    """brisk's KV host tier as its /metrics tell it (None: not brisk, or a brisk without one); budget 0: not
+    enabled."""
+    if "brisk:kv_host_budget_bytes" not in metrics:
+        return None
+    return {"budget_bytes": int(metrics["brisk:kv_host_budget_bytes"]),
+            "bytes": int(metrics.get("brisk:kv_host_bytes", 0)),
+            "tokens_read": int(metrics.get("brisk:kv_host_hits_total", 0)),
+            "blocks_stored": int(metrics.get("brisk:kv_host_blocks_stored_total", 0))}
 
 
 def _retry_delay(retry_after: str | None) -> float:
@@ -764,7 +780,9 @@ def _concurrency_finding(rows: list[dict], engine: str | None) -> Finding:
                   "brisk:kv_cache_dtype says what it uses now), vLLM --kv-cache-dtype fp8, llama.cpp -ctk q8_0 "
                   "-ctv q8_0 (-fa on)",
                   "lower --max-num-seqs so admitted requests are not preempted",
-                  "enable prefix caching for shared system prompts"]
+                  "enable prefix caching for shared system prompts",
+                  "brisk --kv-cache-host-bytes SIZE: prefixes the pool evicts under pressure stay in host memory and "
+                  "come back as a copy instead of a prefill (vLLM: --kv-offloading-size)"]
     elif knee is not None:
         cause = ""
         if kv_idle and efficiency < COMPUTE_BOUND_EFFICIENCY:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from brisk.config import CacheConfig
 from brisk.engine.kv_cache.disk_tier import DiskTier, fingerprint
+from brisk.engine.kv_cache.host_tier import HostTier
 from brisk.engine.kv_cache.manager import KVCacheManager
-from brisk.loading.memory_plan import available_memory
+from brisk.loading.memory_plan import available_memory, host_available_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import RequestOutput, find_stop, stop_window
 from brisk.engine.request import Request, RequestStatus
@@ -103,6 +104,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, self.num_blocks, bs, self.kv_dtype, seed, batch_invariant=batch_invariant)
         self.disk = self._disk_tier()
         self.kv.disk = self.disk
+        self.host = self._host_tier()
+        if self.host is not None:
+            self.kv.set_host_tier(self.host)
         if self.runner.batch_invariant:
             log.info("batch-invariant: greedy output depends on the request only, not on the batch or the "
                      "prefix cache (--no-batch-invariant: prompt chunks take SDPA instead)")
@@ -217,14 +221,35 @@ class LLMEngine:
                  cache.kv_cache_disk_bytes / 2**30, disk.block_bytes // 1024)
         return disk
 
-    def _sync_disk(self, before_forward: bool) -> None:
-        """Before the forward: copy the blocks read from disk into the pool. After it: hand the blocks the step
-        filled to the disk tier's writer (a copy of their bytes; the writing happens off this thread)."""
+    def _host_tier(self) -> HostTier | None:
+        """The KV host tier, when --kv-cache-host-bytes is set: the cached blocks the pool evicts, in host memory."""
+        cache = self.cache_config
+        if not cache.kv_cache_host_bytes or not cache.enable_prefix_caching:
+            return None
+        free = host_available_memory()
+        if self.loaded.device.type == "cpu":
+            free -= self.runner.kv.nbytes - (self.runner.kv.resident_bytes() or 0)  # the pool fills in as it is used
+        if cache.kv_cache_host_bytes > free:
+            raise BriskError(f"--kv-cache-host-bytes {cache.kv_cache_host_bytes / 2**30:.1f} GiB is more than the "
+                             f"{max(free, 0) / 2**30:.1f} GiB of host memory left once the KV pool is full; give it "
+                             "less (or the pool less: --kv-cache-memory)")
+        host = HostTier(cache.kv_cache_host_bytes, self.runner.kv.block_nbytes(cache.block_size))
+        log.info("KV host tier: %.1f GiB, %d blocks of %d KB", host.max_bytes / 2**30,
+                 host.max_bytes // host.block_bytes, host.block_bytes // 1024)
+        return host
+
+    def _sync_tiers(self, before_forward: bool) -> None:
+        """Before the step's forward (and its drafts): copy the blocks the pool evicted out to the host tier,
+        then the blocks taken from the host tier or read from disk into the pool (in that order: a block the
+        pool reuses may take a loaded block's bytes). After the forward: hand the blocks the step filled to the
+        disk tier's writer (a copy of their bytes; the writing happens off this thread)."""
         bs = self.cache_config.block_size
         if before_forward:
+            for block_id, block_hash in self.kv.take_spills():
+                self.host.put(block_hash, self.runner.kv.read_block(block_id, bs))
             for block_id, payload in self.kv.take_loads():
                 self.runner.kv.write_block(block_id, bs, payload)
-        else:
+        elif self.disk is not None:
             for block_id, block_hash in self.kv.take_written():
                 self.disk.put(block_hash, self.runner.kv.read_block(block_id, bs))
 
@@ -246,13 +271,14 @@ class LLMEngine:
             if self.disk is not None and self.kv.disk_reads_under_way():
                 self.disk.wait_read(DISK_READ_WAIT_S)  # nothing runs until a prefix comes from disk
             return failed
+        tiers = self.disk is not None or self.host is not None
+        if tiers:
+            self._sync_tiers(before_forward=True)
         if self.drafter is not None:
             self.drafter.draft(out.chunks)
-        if self.disk is not None:
-            self._sync_disk(before_forward=True)
         rows = self.runner.execute(out.chunks)
-        if self.disk is not None:
-            self._sync_disk(before_forward=False)
+        if tiers:
+            self._sync_tiers(before_forward=False)
         for chunk in out.chunks:  # before advance: num_computed_tokens is still where the chunk starts
             prompt_left = chunk.request.num_prompt_tokens - chunk.request.num_computed_tokens
             if prompt_left > 0:
@@ -449,6 +475,7 @@ class LLMEngine:
             finish_reason=request.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             num_disk_prompt_tokens=request.num_disk_prompt_tokens,
+            num_host_prompt_tokens=request.num_host_prompt_tokens,
             metrics=self._metrics(request) if whole else {}, num_output_tokens=request.num_output_tokens,
             delta_logprobs=delta_logprobs, text_offset=len(request.output_text) - len(delta_text),
             error=request.error,
@@ -500,8 +527,16 @@ class LLMEngine:
             spec_draft_tokens=self.spec_stats.num_drafted, spec_accepted_tokens=self.spec_stats.num_accepted,
             spec_acceptance_lengths=tuple(self.spec_stats.acceptance_lengths),
             kv_cache_bytes=self.runner.kv.nbytes, kv_cache_resident_bytes=self.runner.kv.resident_bytes() or 0,
-            kv_cache_dtype=self.kv_dtype.name, **self._disk_stats(),
+            kv_cache_dtype=self.kv_dtype.name, **self._disk_stats(), **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict:
+        if self.host is None:
+            return {}
+        h = self.host.stats
+        return {"kv_host_hits_tokens": self.kv.host_hits_tokens, "kv_host_blocks_read": h.hits,
+                "kv_host_blocks_stored": h.stored, "kv_host_blocks_evicted": h.evicted,
+                "kv_host_budget_bytes": self.host.max_bytes, "kv_host_bytes": self.host.size_bytes}
 
     def _disk_stats(self) -> dict:
         if self.disk is None:

@@ -63,6 +63,10 @@ def add_engine_args(p) -> None:
                         "the model's files, the KV dtype and the block size); off by default")
     p.add_argument("--kv-cache-disk-bytes", default="16GiB", metavar="SIZE",
                    help="the most --kv-cache-dir holds, e.g. 16GiB (least recently used blocks go first)")
+    p.add_argument("--kv-cache-host-bytes", default=None, metavar="SIZE",
+                   help="keep the cached KV blocks the pool evicts in host memory, up to SIZE (e.g. 8GiB; least "
+                        "recently used first out), and take them back instead of recomputing a returning prefix; "
+                        "looked up after the pool and before --kv-cache-dir. Off by default")
     p.add_argument("--max-num-seqs", type=argtypes.positive, default=SchedulerConfig.max_num_seqs,
                    help=f"sequences batched per step (default {SchedulerConfig.max_num_seqs})")
     p.add_argument("--max-num-batched-tokens", type=argtypes.positive,
@@ -124,6 +128,15 @@ def check_device(device: str) -> None:
             raise BriskError(f"--device {device}: this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
 
 
+def _size_flag(flag: str, text: str) -> int:
+    from brisk.config import parse_memory
+
+    try:
+        return parse_memory(text)
+    except ValueError as e:
+        raise BriskError(f"{flag}: {e}") from None
+
+
 def engine_configs(args: argparse.Namespace, max_model_len: int):
     """The engine's cache and scheduler configs from serve/generate flags (torch-free: kv-plan
     validates the flags it recommends with this)."""
@@ -136,16 +149,15 @@ def engine_configs(args: argparse.Namespace, max_model_len: int):
     try:
         memory = parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None
         fraction = {} if args.gpu_memory_utilization is None else {"kv_cache_fraction": args.gpu_memory_utilization}
-        disk = {}
+        tiers = {}  # the KV tiers past the pool
         if getattr(args, "kv_cache_dir", None):
-            try:
-                disk_bytes = parse_memory(args.kv_cache_disk_bytes)
-            except ValueError as e:
-                raise BriskError(f"--kv-cache-disk-bytes: {e}") from None
-            disk = {"kv_cache_dir": args.kv_cache_dir, "kv_cache_disk_bytes": disk_bytes}
+            tiers = {"kv_cache_dir": args.kv_cache_dir,
+                     "kv_cache_disk_bytes": _size_flag("--kv-cache-disk-bytes", args.kv_cache_disk_bytes)}
+        if getattr(args, "kv_cache_host_bytes", None):
+            tiers["kv_cache_host_bytes"] = _size_flag("--kv-cache-host-bytes", args.kv_cache_host_bytes)
         cache = CacheConfig(block_size=args.block_size, kv_cache_memory=memory,
                             enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                            **fraction, **disk)
+                            **fraction, **tiers)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=max_model_len)
     except ValueError as e:

@@ -25,6 +25,7 @@ class RequestOutput:
     logprobs: list[dict[str, Any]] | None = None  # (*) one entry per output token, when asked for
     num_cached_prompt_tokens: int = 0
     num_disk_prompt_tokens: int = 0  # of those, read from the KV disk tier
+    num_host_prompt_tokens: int = 0  # of those, taken from the KV host tier
     metrics: dict[str, Any] = field(default_factory=dict)  # (*) phase timings
     num_output_tokens: int = 0  # output tokens so far (len(token_ids) when cumulative or final)
     delta_logprobs: list[dict[str, Any]] | None = None  # the logprobs of delta_token_ids, when asked for

@@ -64,6 +64,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_disk_prompt_tokens: int = 0  # of those, the ones read from the KV disk tier (--kv-cache-dir)
+    num_host_prompt_tokens: int = 0  # of those, the ones taken from the KV host tier (--kv-cache-host-bytes)
     status: RequestStatus = RequestStatus.WAITING
     times: RequestTimes = field(default_factory=RequestTimes)
     num_preemptions: int = 0

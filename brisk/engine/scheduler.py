@@ -164,7 +164,8 @@ class Scheduler:
             request.num_computed_tokens = prefix.num_tokens
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = prefix.num_tokens
-                request.num_disk_prompt_tokens = len(prefix.loaded) * self.kv.block_size
+                request.num_disk_prompt_tokens = prefix.num_disk_blocks * self.kv.block_size
+                request.num_host_prompt_tokens = prefix.num_host_blocks * self.kv.block_size
             self.running.append(request)
             self._schedule_chunk(request, num_new, out)
             budget -= num_new

@@ -42,6 +42,14 @@ class EngineStats:
     kv_disk_bytes: int = 0  # what the tier's folder holds now (as this process last measured it)
     kv_disk_loads: int = 0  # prefixes read from the disk tier (off the engine's thread)
     kv_disk_load_seconds: float = 0.0  # the time those reads took, in all
+    # the host tier (--kv-cache-host-bytes): prompt tokens found there, blocks taken back into the pool, blocks
+    # the pool spilled there and blocks dropped for the budget; all 0 without one
+    kv_host_hits_tokens: int = 0
+    kv_host_blocks_read: int = 0
+    kv_host_blocks_stored: int = 0
+    kv_host_blocks_evicted: int = 0
+    kv_host_budget_bytes: int = 0  # --kv-cache-host-bytes; 0: no host tier
+    kv_host_bytes: int = 0  # what the tier holds now
 
     def to_dict(self) -> dict:
         return asdict(self)

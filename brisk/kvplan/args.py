@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="KV cache dtype, as brisk serve's --kv-cache-dtype (auto: what brisk serve picks on this "
                           "machine for a float32 model); the recommended flags carry it")
     mem.add_argument("--bytes-per-token", type=int, default=None, help="override the model's KV bytes per token")
+    mem.add_argument("--host-bytes", default=None, metavar="BYTES",
+                     help="size brisk serve's KV host tier (--kv-cache-host-bytes, e.g. 8GiB): how many tokens of "
+                          "evicted prefixes it keeps, against the pool and this traffic's prompts")
     mem.add_argument("--disk-bytes", default=None, metavar="BYTES",
                      help="size brisk serve's KV disk tier (--kv-cache-disk-bytes, e.g. 16GiB): how many tokens of "
                           "cached prompts it holds, against this traffic's prompts")

@@ -111,6 +111,12 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                   f"  brisk serve {plan['brisk_serve_flags']}")
     for note in plan["notes"]:
         console.print(f"[yellow]note[/]: {note}")
+    host = _tier("--host-bytes", args.host_bytes, per_token * plan["block_size"], plan["block_size"], trace)
+    if host is not None:
+        console.print(f"[bold]host tier[/]: --kv-cache-host-bytes {args.host_bytes} keeps {host['tokens']:,} tokens "
+                      f"the pool evicts ({host['blocks']:,} blocks of {host['file_bytes']:,} bytes), "
+                      f"{host['tokens'] / max(inputs.capacity_tokens, 1):.1f}x the pool's {inputs.capacity_tokens:,}: "
+                      f"{host['share_of_prompts']:.0%} of this traffic's {host['prompt_tokens']:,} prompt tokens")
     disk = _disk_tier(args.disk_bytes, per_token, plan["block_size"], trace)
     if disk is not None:
         console.print(f"[bold]disk tier[/]: --kv-cache-disk-bytes {args.disk_bytes} holds {disk['tokens']:,} tokens "
@@ -126,7 +132,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
                "capacity_tokens": inputs.capacity_tokens, "max_model_len": max_model_len, "step_s": inputs.step_s,
                "fits": {k: v.to_dict() for k, v in fits.items()},
                "strategies": [r.to_dict() for r in results], "recommendation": plan,
-               **({"disk_tier": disk} if disk is not None else {})}
+               **({"disk_tier": disk} if disk is not None else {}),
+               **({"host_tier": host} if host is not None else {})}
         write_output(args.json_path, json.dumps(doc, indent=1) + "\n", "--json")
     if args.plot:
         for path in write_plots(args.plot, trace, fits, results):
@@ -136,16 +143,23 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
 
 def _disk_tier(flag: str | None, per_token: int, block_size: int, trace) -> dict | None:
     """What --kv-cache-disk-bytes holds: one file per full block of block_size tokens."""
-    from brisk.config import parse_memory
     from brisk.engine.kv_cache.disk_tier import HEADER_BYTES
+
+    return _tier("--disk-bytes", flag, per_token * block_size + HEADER_BYTES, block_size, trace)
+
+
+def _tier(name: str, flag: str | None, block_bytes: int, block_size: int, trace) -> dict | None:
+    """What a KV tier of `flag` bytes holds, in whole blocks of `block_bytes` (`file_bytes`), against the trace's
+    prompts (--host-bytes: the host tier, blocks as the pool holds them; --disk-bytes: files with a header)."""
+    from brisk.config import parse_memory
 
     if flag is None:
         return None
     try:
         budget = parse_memory(flag)
     except ValueError as e:
-        raise BriskError(f"--disk-bytes: {e}") from None
-    file_bytes = per_token * block_size + HEADER_BYTES
+        raise BriskError(f"{name}: {e}") from None
+    file_bytes = block_bytes
     blocks = budget // file_bytes
     prompt_tokens = sum(r.prompt_tokens for r in trace)
     mean_prompt = prompt_tokens / max(len(trace), 1)

@@ -93,6 +93,11 @@ def available_memory(device) -> int:
 
         free, _total = torch.cuda.mem_get_info(device)
         return free
+    return host_available_memory()
+
+
+def host_available_memory() -> int:
+    """The host's MemAvailable in bytes."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

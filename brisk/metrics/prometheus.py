@@ -148,6 +148,9 @@ class _EngineCollector:
             ("brisk:kv_disk_budget_bytes", "The KV disk tier's byte budget (--kv-cache-disk-bytes); 0: no disk tier "
              "(--kv-cache-dir not set).", lambda s: s.kv_disk_budget_bytes),
             ("brisk:kv_disk_bytes", "Bytes the KV disk tier's folder holds now.", lambda s: s.kv_disk_bytes),
+            ("brisk:kv_host_budget_bytes", "The KV host tier's byte budget (--kv-cache-host-bytes); 0: no host tier.",
+             lambda s: s.kv_host_budget_bytes),
+            ("brisk:kv_host_bytes", "Bytes of evicted KV blocks the host tier holds now.", lambda s: s.kv_host_bytes),
         ]
         for name, doc, value_of in gauges:
             yield family(GaugeMetricFamily, name, doc, value_of)
@@ -177,6 +180,14 @@ class _EngineCollector:
              "the mean load latency).", lambda s: s.kv_disk_load_seconds),
             ("brisk:kv_disk_blocks_not_written", "KV blocks not written to the disk tier (its queue full, or the disk "
              "failed).", lambda s: s.kv_disk_blocks_not_written),
+            ("brisk:kv_host_hits", "Prompt tokens whose KV blocks were taken back from the host tier "
+             "(--kv-cache-host-bytes).", lambda s: s.kv_host_hits_tokens),
+            ("brisk:kv_host_blocks_read", "KV blocks taken back from the host tier into the pool.",
+             lambda s: s.kv_host_blocks_read),
+            ("brisk:kv_host_blocks_stored", "Cached KV blocks the pool evicted into the host tier.",
+             lambda s: s.kv_host_blocks_stored),
+            ("brisk:kv_host_blocks_evicted", "KV blocks the host tier dropped to stay within its budget.",
+             lambda s: s.kv_host_blocks_evicted),
         ]
         for name, doc, value_of in counters:
             yield family(CounterMetricFamily, name, doc, value_of)

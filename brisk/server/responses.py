@@ -26,14 +26,16 @@ def usage_block(finals: dict[int, RequestOutput], guards: list[GuardResult], job
     firsts = [finals[i] for i in first_choice_of_prompt.values() if i in finals]
     cached = sum(o.num_cached_prompt_tokens for o in firsts)
     disk = sum(o.num_disk_prompt_tokens for o in firsts)
+    host = sum(o.num_host_prompt_tokens for o in firsts)
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                              "total_tokens": prompt_tokens + completion_tokens,
                              "prompt_tokens_details": {"cached_tokens": cached}}
     first = finals.get(0)
     if first is not None:
-        # the cached prompt by where it was found: the KV pool in memory, or the disk tier (--kv-cache-dir)
+        # the cached prompt by where it was found: the KV pool ("memory"), the host tier (--kv-cache-host-bytes:
+        # blocks the pool evicted) or the disk tier (--kv-cache-dir)
         usage["brisk"] = {**{k: first.metrics.get(k) for k in _TIMING_KEYS}, "cached_prompt_tokens": cached,
-                          "cached_prompt_tokens_by_tier": {"memory": cached - disk, "disk": disk},
+                          "cached_prompt_tokens_by_tier": {"memory": cached - disk - host, "host": host, "disk": disk},
                           "num_preemptions": first.metrics.get("num_preemptions", 0)}
         if "spec_drafted_tokens" in first.metrics:  # the request ran with speculative decoding
             usage["brisk"]["spec_drafted_tokens"] = first.metrics["spec_drafted_tokens"]

@@ -3,7 +3,9 @@ prefix-cache map from block hash to block.
 
 A block whose reference count drops to zero goes to the tail of the free queue but
 keeps its hash, so a later request with the same prefix can revive it; allocation
-takes blocks from the head, evicting the least recently freed cached block first.
+takes blocks from the head, evicting the least recently freed cached block first. With
+`record_spills()`, allocation also notes each cached block it evicts (its id and hash), so that its
+bytes can be copied to the host tier before anything overwrites them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class BlockPool:
         self.free_blocks: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.hash_to_block: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.spills: list[tuple[int, BlockHash]] | None = None  # cached blocks allocation evicted, when recorded
+
+    def record_spills(self) -> None:
+        """From now on, `allocate` notes in `spills` each cached block it evicts (the caller empties it)."""
+        self.spills = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,6 +66,9 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             _, block = self.free_blocks.popitem(last=False)
+            if self.spills is not None and block.block_hash is not None \
+                    and self.hash_to_block.get(block.block_hash) is block:
+                self.spills.append((block.block_id, block.block_hash))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

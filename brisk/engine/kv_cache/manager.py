@@ -3,10 +3,11 @@
 It answers "give this request slots for N more tokens" with the new blocks or with
 None when memory is full (a normal condition the scheduler handles by waiting or
 preempting), finds the longest cached prefix of a new request, registers full
-blocks in the prefix cache once computed, and frees a request's blocks. With a disk tier
-(disk_tier.py), a prefix continues past the pool's cached blocks with blocks read from disk: the scheduler
-asks `disk_read_pending` before admitting a request, which starts the read on the tier's reader thread the
-first time (other requests are admitted meanwhile); once read, the blocks get fresh blocks whose bytes the
+blocks in the prefix cache once computed, and frees a request's blocks. A prefix is looked up in the
+pool, then in the host tier (host_tier.py: the blocks the pool evicted, which `take_spills` hands to the
+engine to copy out), then in the disk tier (disk_tier.py), whose blocks are read ahead: the scheduler asks
+`disk_read_pending` before admitting a request, which starts the read on the tier's reader thread the first
+time (other requests are admitted meanwhile). Blocks from either tier get fresh blocks whose bytes the
 engine copies in before the step's forward (`take_loads`). Every full block computed is handed to the engine
 to write out (`take_written`).
 """
@@ -32,7 +33,13 @@ class CacheableRequest(Protocol):
 class PrefixHit:
     blocks: list[KVBlock]
     num_tokens: int  # the pool's blocks and the disk's
-    loaded: list[tuple[BlockHash, bytes]] = field(default_factory=list)  # blocks after `blocks`, read from disk
+    # blocks after `blocks` whose bytes come from a tier: the host tier's first, then the disk's
+    loaded: list[tuple[BlockHash, bytes]] = field(default_factory=list)
+    num_host_blocks: int = 0  # of `loaded`, those from the host tier
+
+    @property
+    def num_disk_blocks(self) -> int:
+        return len(self.loaded) - self.num_host_blocks
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,7 @@ WINDOW_FREED = KVBlock(block_id=0, ref_cnt=1)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, disk: Any = None):
+                 sliding_window: int | None = None, disk: Any = None, host: Any = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -91,10 +98,22 @@ class KVCacheManager:
         # the engine to copy in; blocks registered in the prefix cache wait in `_written` to be written out
         self.disk = disk if enable_prefix_caching else None
         self.disk_hits_tokens = 0
+        self.host = None  # the host tier (a HostTier, or None): set_host_tier
+        self.host_hits_tokens = 0
+        if host is not None:
+            self.set_host_tier(host)
         self._loads: list[tuple[int, bytes]] = []
         self._written: list[tuple[int, BlockHash]] = []
         # a waiting request's disk read: a _Reading while under way, then the blocks read (hash -> bytes)
         self._disk_reads: dict[str, dict[BlockHash, bytes] | _Reading] = {}
+
+    def set_host_tier(self, host: Any) -> None:
+        """Keep the cached blocks the pool evicts in `host` (a HostTier): the engine copies each out before the
+        step that reuses the block (`take_spills`)."""
+        if not self.pool.enable_caching:
+            return
+        self.host = host
+        self.pool.record_spills()
 
     def _hashes(self, request: CacheableRequest) -> list[BlockHash]:
         known = self.req_hashes.get(request.request_id)
@@ -115,13 +134,26 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, hashes[len(blocks):]
 
+    def _host_prefix(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, bytes]]:
+        """The leading blocks of `hashes` the host tier holds, with their bytes (left there until admission)."""
+        found = []
+        if self.host is not None:
+            for block_hash in hashes:
+                payload = self.host.peek(block_hash)
+                if payload is None:
+                    break
+                found.append((block_hash, payload))
+        return found
+
     def find_cached_prefix(self, request: CacheableRequest) -> PrefixHit:
-        """Longest run of cached full blocks at the start of the request's tokens: the pool's, then those its
-        disk read brought (`disk_read_pending`)."""
+        """Longest run of cached full blocks at the start of the request's tokens: the pool's, then the host
+        tier's, then those its disk read brought (`disk_read_pending`)."""
         if not self.pool.enable_caching:
             return PrefixHit([], 0)
         blocks, rest = self._pool_prefix(request)
-        loaded = []
+        loaded = self._host_prefix(rest)
+        num_host = len(loaded)
+        rest = rest[num_host:]
         read = self._disk_reads.get(request.request_id)
         if isinstance(read, dict):
             for block_hash in rest:
@@ -129,11 +161,12 @@ class KVCacheManager:
                 if payload is None:
                     break
                 loaded.append((block_hash, payload))
-        return PrefixHit(blocks, (len(blocks) + len(loaded)) * self.block_size, loaded)
+        return PrefixHit(blocks, (len(blocks) + len(loaded)) * self.block_size, loaded, num_host)
 
     def disk_read_pending(self, request: CacheableRequest) -> bool:
         """Whether the request waits for its prefix to be read from disk. The first call for a request whose
-        prefix continues on disk past the pool's blocks starts the read (on the tier's reader thread) and
+        prefix continues on disk past the pool's (and the host tier's) blocks starts the read (on the tier's
+        reader thread) and
         answers True; later calls answer True until the blocks are in memory."""
         if self.disk is None:
             return False
@@ -141,6 +174,7 @@ class KVCacheManager:
         read = self._disk_reads.get(rid)
         if read is None:
             _, rest = self._pool_prefix(request)
+            rest = rest[len(self._host_prefix(rest)):]
             if not rest or not self.disk.has(rest[0]):
                 self._disk_reads[rid] = {}
                 return False
@@ -177,10 +211,13 @@ class KVCacheManager:
         if prefix is not None:  # admission: count the prefix-cache query once, when it succeeds
             self.prefix_queries_tokens += len(request.all_token_ids)
             self.prefix_hits_tokens += prefix.num_tokens
-            self.disk_hits_tokens += len(prefix.loaded) * self.block_size
+            self.host_hits_tokens += prefix.num_host_blocks * self.block_size
+            self.disk_hits_tokens += prefix.num_disk_blocks * self.block_size
+            for block_hash, _ in prefix.loaded[:prefix.num_host_blocks]:
+                self.host.take(block_hash)  # back into the pool: one place for a block at a time
         self.pool.touch(shared)
         new_blocks = self.pool.allocate(max(num_needed, 0)) or []
-        if prefix is not None and prefix.loaded:  # the first new blocks take the disk's bytes
+        if prefix is not None and prefix.loaded:  # the first new blocks take the tiers' bytes
             for block, (block_hash, payload) in zip(new_blocks, prefix.loaded):
                 self.pool.cache(block, block_hash)
                 self._loads.append((block.block_id, payload))
@@ -213,9 +250,20 @@ class KVCacheManager:
                     self._written.append((block.block_id, block.block_hash))
         self.req_num_cached_blocks[rid] = num_full
 
+    def take_spills(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the cached blocks the pool evicted since the last call (with a host tier): the
+        engine copies their bytes to the host tier first thing before the step's forward, before the tiers'
+        loads and the forward overwrite them."""
+        spills = self.pool.spills
+        if not spills:
+            return []
+        self.pool.spills = []
+        return spills
+
     def take_loads(self) -> list[tuple[int, bytes]]:
-        """(block id, bytes) of the blocks read from disk since the last call: the engine copies them into the
-        pool before the step's forward (the requests admitted with them count those tokens as computed)."""
+        """(block id, bytes) of the blocks taken from the host tier or read from disk since the last call: the
+        engine copies them into the pool before the step's forward (the requests admitted with them count those
+        tokens as computed)."""
         loads, self._loads = self._loads, []
         return loads
 
