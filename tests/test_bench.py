@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from brisk.bench.metrics import SLO, RequestRecord, all_decoding_window, summarize
-from brisk.bench.workloads import arrival_offsets, parse_length_dist, replay, PromptMaker
+from brisk.bench.workloads import GroupTexts, arrival_offsets, parse_length_dist, replay, PromptMaker
 from brisk.errors import BriskError
 
 from live_server import serve_engine
@@ -146,6 +146,47 @@ def test_replay_trace_parsing(tmp_path):
     trace.write_text('{"timestamp": 1}\n')
     with pytest.raises(BriskError, match=":1: need prompt_tokens"):
         replay(trace, PromptMaker(np.random.default_rng(0)), None, {})
+
+
+def test_replay_keeps_the_traces_prefix_groups_the_same_in_every_replay(tmp_path, demo):
+    """A trace's prefix_group/prefix_tokens: every request of a group starts with the same text of exactly that many
+    tokens (the demo tokenizer counting), a later turn with a longer prefix continues it, another group's text
+    differs, and a second replay (another random draw, as after a restart) sends the same prefixes with new
+    suffixes; `--endpoint chat` sends the replay as chats."""
+    from types import SimpleNamespace
+
+    from brisk.bench.command import build_workload
+
+    def count(text):
+        return len(demo.tokenizer.encode(text))
+
+    rows = [{"arrival_s": 0, "prompt_tokens": 60, "output_tokens": 4, "prefix_group": "alice", "prefix_tokens": 50},
+            {"arrival_s": 1, "prompt_tokens": 60, "output_tokens": 4, "prefix_group": "bob", "prefix_tokens": 50},
+            {"arrival_s": 2, "prompt_tokens": 100, "output_tokens": 4, "prefix_group": "alice", "prefix_tokens": 80},
+            {"arrival_s": 3, "prompt_tokens": 40, "output_tokens": 4, "prefix_group": "bob", "prefix_tokens": 40},
+            {"arrival_s": 4, "prompt_tokens": 30, "output_tokens": 4}]
+    trace = tmp_path / "chats.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first, _, _ = replay(trace, PromptMaker(np.random.default_rng(1), count), None, {})
+    again, _, _ = replay(trace, PromptMaker(np.random.default_rng(2), count), None, {})
+    a1, b1, a2, b2, plain = (r.prompt for r in first)
+    assert [count(p) for p in (a1, b1, a2, b2, plain)] == [60, 60, 100, 40, 30]
+    alice50 = GroupTexts(count).prefix("alice", 50)
+    assert count(alice50) == 50 and a1.startswith(alice50 + " ") and a2.startswith(alice50 + " ")
+    assert not b1.startswith(alice50[:40])
+    ids = [demo.tokenizer.encode(p) for p in (a1, a2, b1, b2)]
+    assert ids[0][:49] == ids[1][:49] and ids[2][:39] == ids[3][:39]  # the groups' leading tokens
+    assert ids[0][:5] != ids[2][:5]
+    for old, new in zip(first, again):  # the same prefixes in another replay, fresh suffixes
+        assert count(old.prompt) == count(new.prompt)
+    assert demo.tokenizer.encode(again[0].prompt)[:49] == ids[0][:49] and again[0].prompt != a1
+    assert again[3].prompt == b2  # all of it is bob's prefix
+    assert again[4].prompt != plain
+
+    args = SimpleNamespace(seed=0, no_ignore_eos=False, output_len="8", workload="replay", trace=trace,
+                           endpoint="chat")
+    reqs, arrivals = build_workload(args, SimpleNamespace(counter=count), "m", 5)
+    assert arrivals == [0, 1, 2, 3, 4] and all(r.prompt is None and r.messages[0]["role"] == "user" for r in reqs)
 
 
 def counter(text: str, name: str) -> float:

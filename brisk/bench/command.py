@@ -110,6 +110,7 @@ def build_workload(args, server: Server, model: str, n: int, draw: int = 0) -> t
     outputs = wl.parse_length_dist(args.output_len, "--output-len")
     if n < 1:
         raise BriskError("--num-requests must be >= 1")
+    arrivals = None  # a replay's are the trace's; the others' come from the run's rate or concurrency
     if args.workload == "synthetic":
         reqs = wl.synthetic(maker, rng, n, wl.parse_length_dist(args.input_len, "--input-len"), outputs, extra)
     elif args.workload == "shared-prefix":
@@ -130,12 +131,11 @@ def build_workload(args, server: Server, model: str, n: int, draw: int = 0) -> t
         reqs, arrivals, note = wl.replay(args.trace, maker, None, extra)
         if note:
             print(f"--trace {args.trace}: {note}", file=sys.stderr)
-        return reqs, arrivals
     if args.endpoint == "chat":
         for r in reqs:
             if r.prompt is not None:
                 r.messages, r.prompt = [{"role": "user", "content": r.prompt}], None
-    return reqs, None
+    return reqs, arrivals
 
 
 def draw_offset(args, draw: int) -> int:
@@ -210,7 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "endpoint": args.endpoint, "workload": args.workload, "input_len": args.input_len,
             "output_len": args.output_len, "num_prompts": len(results[0].records), "burstiness": args.burstiness,
             "ignore_eos": not args.no_ignore_eos, "exact_prompt_lengths": server.counter is not None,
-            "fresh_prompts_per_run": args.workload != "shared-prefix",
+            "fresh_prompts_per_run": args.workload not in ("shared-prefix", "replay"),  # replay: its prefix groups
             "goodput_slo": None if slo is None else {k: v for k, v in vars(slo).items() if v is not None}}
     if args.json_path:
         for path in write_json(args.json_path, meta, results, args.result_format):

@@ -7,6 +7,7 @@ prompt of n common words stands in for n tokens, and the server's `usage` report
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -129,7 +130,8 @@ class PromptMaker:
             return text
         words = text.split(" ")
         for _ in range(6):  # each pass removes or adds the difference, in words
-            diff = self.count(" ".join(words)) - (n + (self.count(prefix) if prefix else 0))
+            # a prefix's trailing space joins the next word's token: count the prefix without it
+            diff = self.count(" ".join(words)) - (n + (self.count(prefix.rstrip(" ")) if prefix else 0))
             if diff == 0:
                 break
             if diff > 0:
@@ -184,19 +186,63 @@ def sharegpt(path: Path, rng, n: int, count_tokens: Counter | None, max_output: 
     return out
 
 
+class GroupTexts:
+    """The text of each prefix group of a trace: words drawn from a generator seeded by the group's name, so that
+    every request of the group, in this replay and in any other of the same trace (after a restart, on another
+    server), starts with the same words, and a longer prefix of the group (a chat's history, grown by a turn)
+    continues the same text."""
+
+    CHUNK = 256  # words drawn at a time, each chunk from its own seed: the text does not depend on how far it grew
+
+    def __init__(self, count_tokens: Counter | None = None):
+        self.count = count_tokens
+        self._words: dict[str, list[str]] = {}
+        self._texts: dict[tuple[str, int], str] = {}
+
+    def _stream(self, group: str, n: int) -> list[str]:
+        words = self._words.setdefault(group, [])
+        seed = int.from_bytes(hashlib.sha256(group.encode()).digest()[:8], "little")
+        while len(words) < n:
+            words += list(np.random.default_rng([seed, len(words) // self.CHUNK]).choice(WORDS, size=self.CHUNK))
+        return words[:n]
+
+    def prefix(self, group: str, n: int) -> str:
+        """The group's first n tokens as text (n words without a token counter)."""
+        key = (group, n)
+        if key not in self._texts:
+            k = max(n, 1)
+            if self.count is not None:
+                for _ in range(8):  # each pass moves by the difference, in words of ~one token
+                    diff = self.count(" ".join(self._stream(group, k))) - n
+                    if diff == 0 or k - diff < 1:
+                        break
+                    k -= diff
+            self._texts[key] = " ".join(self._stream(group, k))
+        return self._texts[key]
+
+
 def replay(path: Path, maker: PromptMaker, limit: int | None, extra: dict) -> tuple[list[BenchRequest], list[float],
                                                                                      str]:
     """A trace (brisk/trace.py: `brisk serve --request-log`, or JSONL with arrival_s, prompt_tokens,
-    output_tokens). Returns requests, arrival offsets in seconds, and a note on requests that
-    ended early in the recording."""
+    output_tokens). A request with a `prefix_group` and `prefix_tokens` starts with that group's text
+    (`GroupTexts`: the same in every request of the group and in every replay), then fresh words up to its
+    length. Returns requests, arrival offsets in seconds, and a note on requests that ended early in the
+    recording."""
     from brisk.trace import read_trace
 
     trace = read_trace(path)
+    groups = GroupTexts(maker.count)
     requests, arrivals = [], []
     for r in trace.requests[:limit]:
         arrivals.append(r.arrival_s)
-        requests.append(BenchRequest(prompt=maker.make(r.prompt_tokens), max_tokens=r.output_tokens,
-                                     extra=dict(extra)))
+        shared = min(r.prefix_tokens, r.prompt_tokens) if r.prefix_group is not None else 0
+        if shared <= 0:
+            prompt = maker.make(r.prompt_tokens)
+        elif shared == r.prompt_tokens:
+            prompt = groups.prefix(r.prefix_group, shared)
+        else:
+            prompt = maker.make(r.prompt_tokens - shared, prefix=groups.prefix(r.prefix_group, shared) + " ")
+        requests.append(BenchRequest(prompt=prompt, max_tokens=r.output_tokens, extra=dict(extra)))
     return requests, arrivals, trace.describe()
 
 
