@@ -390,3 +390,65 @@ def test_a_dead_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_path)
         f.write_bytes(b"half a block")
     DiskTier(tmp_path, "tmpfiles", 2**20, 1024).close()
     assert not orphan.exists() and live.exists()
+
+
+def test_files_of_the_first_layout_are_still_read_and_a_flipped_bit_is_refused(tmp_path):
+    """BRISKKV2 files carry a CRC-32; BRISKKV1 files (blake2b-128), written before, are still read. One flipped
+    payload bit in either is a miss, and the file goes."""
+    import hashlib
+    import zlib
+
+    from brisk.engine.kv_cache.disk_tier import MAGIC, MAGIC_V1
+
+    tier = DiskTier(tmp_path, "x", 2**20, 64)
+    payload = os.urandom(64)
+    old = b"\x01" * 16
+    tier.path(old).write_bytes(MAGIC_V1 + (64).to_bytes(8, "little") + hashlib.blake2b(payload, digest_size=16).digest()
+                               + payload)
+    assert tier.get(old) == payload
+    new = b"\x02" * 16
+    tier.put(new, payload)
+    tier.flush()
+    data = tier.path(new).read_bytes()
+    assert data[:8] == MAGIC and data[16:20] == zlib.crc32(payload).to_bytes(4, "little") and tier.get(new) == payload
+    for block_hash, raw in ((old, tier.path(old).read_bytes()), (new, data)):
+        bad = bytearray(raw)
+        bad[-7] ^= 0x10
+        tier.path(block_hash).write_bytes(bytes(bad))
+        assert tier.get(block_hash) is None and not tier.path(block_hash).exists()
+    assert tier.stats.corrupt == 2
+    tier.close()
+
+
+def test_populate_rows_maps_in_the_first_rows_of_every_layer():
+    import torch
+
+    from brisk.engine import hugepages
+
+    pool = hugepages.empty((2, 4096, 256), torch.float32, torch.device("cpu"), huge=False)  # 1 KB rows, 4 MB a layer
+    # the allocator may hand back memory an earlier test touched: let it go first (MADV_DONTNEED)
+    start = -(-pool.data_ptr() // hugepages.PAGE) * hugepages.PAGE
+    hugepages._madvise()(start, (pool.data_ptr() + pool.numel() * 4 - start) // hugepages.PAGE * hugepages.PAGE, 4)
+    before = hugepages.resident_bytes(pool)
+    assert before <= 2 * hugepages.PAGE
+    mapped = hugepages.populate_rows(pool, 1024)
+    assert mapped == 2 * 1024 * 1024
+    after = hugepages.resident_bytes(pool)
+    assert after - before >= mapped - 2 * hugepages.PAGE and after < pool.numel() * 4 // 2, (before, after)
+
+
+def test_a_restarted_engine_maps_in_as_much_of_its_pool_as_the_tier_holds(demo, tmp_path):
+    """A new engine on a folder holding N blocks maps in its pool's first N blocks (every layer's K and V) on a
+    thread of its own: the blocks read back after a restart go there, into memory already mapped."""
+    first = engine(demo, tmp_path)
+    assert first.prefault_thread is None  # an empty folder: nothing to read back
+    run(first, [prompt(demo, "Do you fix flat tyres?")])
+    first.close()
+    files = len(list(first.disk.folder.glob("*.kvb")))
+    second = engine(demo, tmp_path)
+    second.prefault_thread.join(timeout=60)
+    kv = second.runner.kv
+    per_slot = sum(t[0, 0].numel() * t.element_size() * t.shape[0] for t in (kv.k, kv.v))
+    assert files > 0 and second.prefaulted_bytes == files * BLOCK * per_slot
+    second.close()
+    assert engine(demo, None).prefault_thread is None  # no tier, nothing mapped ahead

@@ -164,6 +164,12 @@ class PagedKVCache:
             target.copy_(raw[at:at + n].view(t.dtype).view(target.shape).to(t.device))
             at += n
 
+    def prefault(self, num_slots: int) -> int:
+        """Map in every layer's first `num_slots` slots now (hugepages.populate_rows; the GIL stays free), where a
+        new engine's first blocks go: the blocks a KV tier hands back after a restart are then copied into mapped
+        memory. Returns the bytes mapped in (0 off CPU or Linux)."""
+        return sum(hugepages.populate_rows(t, num_slots) for t in self._tensors())
+
     def resident_bytes(self) -> int | None:
         """How much of the pool is in memory now (pages are mapped on first write); None where
         the OS cannot say."""

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 1 << 21
 MADV_HUGEPAGE = 14  # linux/mman.h
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
 def _madvise():
@@ -84,6 +85,27 @@ def _mincore():
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def populate_rows(buffer: torch.Tensor, rows: int) -> int:
+    """Map in the first `rows` rows of each `buffer[i]` (a pool [layers, slots, ...]) now, as a write would
+    (MADV_POPULATE_WRITE; through ctypes, so the GIL is free meanwhile): memory written there later skips the
+    first touch of fresh pages. Nothing is written. Returns the bytes mapped in (0: not Linux, not CPU, or a
+    kernel before 5.14)."""
+    madvise = _madvise() if buffer.device.type == "cpu" and buffer.dim() >= 2 else None
+    if madvise is None or rows <= 0:
+        return 0
+    rows = min(rows, buffer.shape[1])
+    row_bytes = buffer[0, 0].numel() * buffer.element_size()
+    done = 0
+    for i in range(buffer.shape[0]):
+        start = buffer[i].data_ptr()
+        aligned = start // PAGE * PAGE
+        if madvise(aligned, start + rows * row_bytes - aligned, MADV_POPULATE_WRITE) != 0:
+            log.debug("madvise(MADV_POPULATE_WRITE) refused (errno %d)", ctypes.get_errno())
+            return done
+        done += rows * row_bytes
+    return done
 
 
 def resident_bytes(buffer: torch.Tensor) -> int | None:

@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,13 @@ from brisk.errors import BriskError
 log = logging.getLogger("brisk.kv_disk")
 
 LAYOUT_VERSION = 1
-MAGIC = b"BRISKKV1"
-HEADER_BYTES = len(MAGIC) + 8 + 16  # magic, payload length, blake2b-128 of the payload
+# A file: magic, the payload's length (8 bytes), a 16-byte checksum field, the payload. BRISKKV2 (written now)
+# holds the payload's CRC-32 in the field's first 4 bytes (zeros after), read ~5x faster than BRISKKV1's
+# blake2b-128 (0.1 ms against 0.45 ms a 360 KB block here); BRISKKV1 files are still read. The checksum guards
+# against a corrupt or truncated file: the block's name is the prefix cache's own hash chain.
+MAGIC = b"BRISKKV2"
+MAGIC_V1 = b"BRISKKV1"
+HEADER_BYTES = len(MAGIC) + 8 + 16
 SUFFIX = ".kvb"
 WRITE_QUEUE = 256  # blocks waiting to be written; past it a block is not written (counted)
 # the folder's size is measured again (other processes write to it too) after this many writes of our own
@@ -57,6 +63,13 @@ class DiskTierStats:
     bytes_written: int = 0
     loads: int = 0  # prefixes read ahead (one or more blocks each)
     load_seconds: float = 0.0  # time those reads took, in all
+
+
+def _checksum(magic: bytes, payload) -> bytes:
+    """The 16-byte checksum field of a file of this magic."""
+    if magic == MAGIC_V1:
+        return hashlib.blake2b(payload, digest_size=16).digest()
+    return zlib.crc32(payload).to_bytes(4, "little") + bytes(12)
 
 
 def check_folder(folder: Path | str, flag_value: Path | str | None = None) -> None:
@@ -184,13 +197,13 @@ class DiskTier:
         return payload
 
     def _verified(self, data: bytes) -> bytes | None:
-        if len(data) != HEADER_BYTES + self.block_bytes or not data.startswith(MAGIC):
+        if len(data) != HEADER_BYTES + self.block_bytes or data[:len(MAGIC)] not in (MAGIC, MAGIC_V1):
             return None
         length = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
-        payload = data[HEADER_BYTES:]
-        if length != len(payload) or hashlib.blake2b(payload, digest_size=16).digest() != data[len(MAGIC) + 8:HEADER_BYTES]:
+        payload = memoryview(data)[HEADER_BYTES:]
+        if length != len(payload) or _checksum(data[:len(MAGIC)], payload) != data[len(MAGIC) + 8:HEADER_BYTES]:
             return None
-        return payload
+        return bytes(payload)
 
     # -- writes (a background thread) -------------------------------------------------------------
     def put(self, block_hash: bytes, payload: bytes) -> None:
@@ -234,7 +247,7 @@ class DiskTier:
         path = self.path(block_hash)
         if path.exists():
             return
-        header = MAGIC + len(payload).to_bytes(8, "little") + hashlib.blake2b(payload, digest_size=16).digest()
+        header = MAGIC + len(payload).to_bytes(8, "little") + _checksum(MAGIC, payload)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
