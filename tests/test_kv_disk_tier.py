@@ -452,3 +452,23 @@ def test_a_restarted_engine_maps_in_as_much_of_its_pool_as_the_tier_holds(demo, 
     assert files > 0 and second.prefaulted_bytes == files * BLOCK * per_slot
     second.close()
     assert engine(demo, None).prefault_thread is None  # no tier, nothing mapped ahead
+
+
+def test_the_folder_never_passes_its_budget_even_between_a_write_and_its_eviction(tmp_path, monkeypatch):
+    """The size of the folder right after every file lands is within the budget: room is made before a write."""
+    from brisk.engine.kv_cache.disk_tier import HEADER_BYTES
+
+    budget = 5 * (HEADER_BYTES + 64)
+    tier = DiskTier(tmp_path, "x", budget, 64)
+    sizes, real_replace = [], os.replace
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        sizes.append(tier.disk_bytes())
+
+    monkeypatch.setattr(os, "replace", replace)
+    for i in range(40):
+        tier.put(i.to_bytes(16, "little"), bytes([i]) * 64)
+        tier.flush()
+    assert len(sizes) == 40 and max(sizes) <= budget and tier.stats.evicted >= 35, (max(sizes), budget)
+    tier.close()

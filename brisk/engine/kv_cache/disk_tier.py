@@ -9,7 +9,7 @@ Files are written whole to a temporary name and renamed into place (a reader nev
 block; several processes may share one folder, and two writers of one block write the same bytes),
 and carry a checksum: a truncated, corrupt or foreign file is a miss and is removed. The folder's
 size is held under `max_bytes` by removing the least recently used files (reads refresh a file's
-time); with several writers, each measures the folder again every RESCAN_EVERY writes and when it closes,
+time) before a write that would pass it; with several writers, each measures the folder again every RESCAN_EVERY writes and when it closes,
 so the folder may pass its budget by what the writers wrote in between, and is back under it when they
 stop. A process killed mid-write leaves a temporary file, never a `.kvb`; the next tier on the folder
 removes the temporary files of writers that are gone. Writes go through a bounded queue to one background thread: a step never waits for the disk
@@ -96,7 +96,7 @@ def fingerprint(*parts: object) -> str:
 
 class DiskTier:
     def __init__(self, root: Path | str, fingerprint: str, max_bytes: int, block_bytes: int):
-        if max_bytes < block_bytes:
+        if max_bytes < HEADER_BYTES + block_bytes:
             raise BriskError(f"--kv-cache-disk-bytes {max_bytes} holds not even one KV block ({block_bytes} bytes); "
                              "give it more, or leave out --kv-cache-dir")
         self.root = Path(root)
@@ -248,6 +248,9 @@ class DiskTier:
         if path.exists():
             return
         header = MAGIC + len(payload).to_bytes(8, "little") + _checksum(MAGIC, payload)
+        with self._lock:  # room first: the folder never holds more than its budget, even for a moment
+            if self._size + HEADER_BYTES + len(payload) > self.max_bytes:
+                self._evict(room=HEADER_BYTES + len(payload))
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
@@ -264,8 +267,8 @@ class DiskTier:
             self._since_scan += 1
             if self._since_scan >= RESCAN_EVERY:  # what the other writers of the folder added meanwhile
                 self._size, self._since_scan = sum(self._sizes().values()), 0
-            if self._size > self.max_bytes:
-                self._evict()
+                if self._size > self.max_bytes:
+                    self._evict()
 
     def _remove_orphans(self) -> None:
         """Temporary files of writers that are gone (killed mid-write): `.NAME.PID.THREAD.tmp`."""
@@ -292,9 +295,9 @@ class DiskTier:
                     pass  # removed by another process meanwhile
         return sizes
 
-    def _evict(self) -> None:
-        """Remove the least recently used files until the folder is under 90% of its budget (the folder as
-        it is on disk: other processes may have written to it too)."""
+    def _evict(self, room: int = 0) -> None:
+        """Remove the least recently used files until the folder, and `room` bytes more, are under 90% of its
+        budget (the folder as it is on disk: other processes may have written to it too)."""
         files = []
         for entry in os.scandir(self.folder):
             if entry.name.endswith(SUFFIX):
@@ -305,7 +308,7 @@ class DiskTier:
                 files.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
         files.sort()
         total = sum(size for _, size, _ in files)
-        target = int(self.max_bytes * 0.9)
+        target = int(self.max_bytes * 0.9) - room
         for _, size, path in files:
             if total <= target:
                 break
