@@ -6,18 +6,31 @@ SIGTERM it, start it again on the same model (and, with the tier, the same folde
 with question B. Reported: TTFT of A (cold: nothing cached), TTFT of B after the restart, and B's cached prompt
 tokens. Without the tier the restart forgets the prefix (B is cold again); with it, B reads the prefix back.
 
-    .venv/bin/python benchmarks/kv_restart.py [--model smollm2-135m-instruct | --shape tinyllama] \\
+    .venv/bin/python benchmarks/kv_restart.py [--model smollm2-135m-instruct | --shape tinyllama|llama3.2-1b] \\
         [--prefix-tokens 8000] [--work DIR]
 
-`--shape tinyllama`: a TinyLlama-shaped (1.1B) random-weight Q4_0 GGUF with the demo tokenizer (as
-quantized_peers.py writes it), instead of the demo model.
+`--shape tinyllama`: a TinyLlama-shaped (1.1B, a 2,048-token context) random-weight Q4_0 GGUF with the demo
+tokenizer (as quantized_peers.py writes it), instead of the demo model; `--shape llama3.2-1b`: Llama-3.2-1B's
+blocks (1.07B with that vocabulary, a 16k context), for an 8,000-token prefix on a model of that size.
 
 `--replay N`: a multi-turn chat service across a deploy instead. N users each hold a chat (a shared system
 prompt, then the user's own ~--document-tokens document and three turns, the model's replies kept in the
 history); the server is SIGTERMed and started again, and every user sends a fourth turn. Reported: the fourth
-turns' TTFT p50/p90 and cached prompt tokens after the restart, with and without the tier. (`brisk bench
---workload replay` replays a recorded trace's prompt lengths with new text: no prefix of a chat survives in
-it, so the chats are driven here, with their real texts.)
+turns' TTFT p50/p90 and cached prompt tokens after the restart, with and without the tier.
+
+`--bench-replay N`: the same service driven by `brisk bench --workload replay` instead. N users' chats are
+written as two traces, each user a prefix group whose prefix grows by a turn (question and reply) from
+--prefix-tokens + --document-tokens: turns 1-3 replayed, SIGTERM, a new start, turn 4 replayed. Reported from
+bench's JSON: the fourth turns' TTFT p50/p90, cached and disk-read prompt tokens. bench makes each group's text
+from the group's name, so the replay after the restart sends the prefixes the one before it cached (the text
+is word soup, not the model's replies: a turn's cached prefix is the previous turns' prompts, not their
+replies).
+
+`--bench-replay N --pressure`: no restart; a KV pool too small for the users' chats (--kv-cache-memory 128MiB
+unless given: about one and a half chats), so every user's history is evicted before the user's next turn. The
+first turns are replayed, then turns 2-4 are measured, with the pool alone, with --kv-cache-host-bytes 2GiB, with
+--kv-cache-dir, and with --kv-cache-dir on a 256 MiB budget (its folder's size sampled every 50 ms): what a
+returning chat costs when the pool evicted it, where it comes back from, and whether the folder keeps its budget.
 
 `--stall TREE[,TREE...]`: what a prefix read from disk costs the other streams. For each source tree (a checkout
 with its kernels built; `python -m brisk` runs from it): start with the tier, cache the long system prompt, restart,
@@ -36,6 +49,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -58,11 +72,13 @@ def system_prompt(words: int) -> str:
     return "You answer from this manual.\n" + " ".join(rng.choice(WORDS, words))
 
 
-def start(model: str, args, disk: Path | None, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+def start(model: str, args, disk: Path | None, tree: Path | None = None, extra: tuple[str, ...] = ()
+          ) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    chats = args.replay or args.bench_replay
     cmd = [sys.executable, "-m", "brisk", "serve", model, "--port", str(port), "--max-model-len",
-           str(min(args.prefix_tokens + (args.document_tokens + 1024 if args.replay else 512), 8192)),
-           "--kv-cache-memory", "1GiB"]
+           str(min(args.prefix_tokens + (args.document_tokens + 1024 if chats else 512), 8192)),
+           "--kv-cache-memory", args.kv_cache_memory or ("128MiB" if args.pressure else "1GiB"), *extra]
     if disk is not None:
         cmd += ["--kv-cache-dir", str(disk)]
     proc = subprocess.Popen(cmd, stdout=open(args.work / "kv_restart.log", "a"), stderr=subprocess.STDOUT, cwd=tree)
@@ -140,6 +156,128 @@ def replay(model: str, args) -> None:
     print(f"TTFT p50 after a restart, without the tier / with it: {p50s['no tier'] / p50s['--kv-cache-dir']:.1f}x")
 
 
+QUESTION_TOKENS, REPLY_TOKENS = 24, 64
+
+
+def chat_traces(users: int, first_prefix: int, folder: Path, split: int = 3) -> tuple[Path, Path]:
+    """Two replay traces of `users` chats (brisk/trace.py): turns 1 to `split`, one turn of every user after
+    another, 5 s apart, and the turns after it up to the 4th, 8 s apart (more than a turn's whole prefill on the
+    demo here, so that TTFT is not queueing behind the one before). User u is prefix group "user-u"; turn t's
+    prefix is its history (the first prefix, then each earlier turn's question and reply), its prompt that plus a
+    question."""
+    before, after = [], []
+    for turn in range(4):
+        for u in range(users):
+            prefix = first_prefix + turn * (QUESTION_TOKENS + REPLY_TOKENS)
+            row = {"prompt_tokens": prefix + QUESTION_TOKENS, "output_tokens": REPLY_TOKENS,
+                   "prefix_group": f"user-{u}", "prefix_tokens": prefix}
+            rows = before if turn < split else after
+            rows.append({"arrival_s": len(rows) * (5.0 if turn < split else 8.0), **row})
+    paths = folder / f"turns-1-{split}.jsonl", folder / f"turns-{split + 1}-4.jsonl"
+    for path, rows in zip(paths, (before, after)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
+def bench(url: str, trace: Path, out: Path, tree: Path | None = None) -> dict:
+    """`brisk bench --workload replay` of `trace` (chats): its one run's results."""
+    subprocess.run([sys.executable, "-m", "brisk", "bench", url, "--workload", "replay", "--trace", str(trace),
+                    "--endpoint", "chat", "--json", str(out)], check=True, cwd=tree, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["runs"][0]
+
+
+def watch_folder(folder: Path | None, done: threading.Event, sizes: list[int]) -> None:
+    """Every 50 ms until `done`: the bytes of every file under `folder` (blocks and temporary files)."""
+    while folder is not None and not done.wait(0.05):
+        total = 0
+        for path in folder.rglob("*"):
+            try:
+                total += path.stat().st_size if path.is_file() else 0
+            except OSError:
+                pass  # removed meanwhile
+        sizes.append(total)
+
+
+def bench_pressure(model: str, args) -> None:
+    """--bench-replay N --pressure: turns 2-4 of the chats on a pool that cannot keep them, per tier."""
+    first = args.prefix_tokens + args.document_tokens
+    print(f"{args.bench_replay} chats through `brisk bench --workload replay --endpoint chat`: a {first}-token "
+          f"prefix each, growing {QUESTION_TOKENS + REPLY_TOKENS} tokens a turn; turn 1 replayed, then turns 2-4 "
+          f"measured, on a {args.kv_cache_memory or '128MiB'} pool")
+    print("| tiers | prompt tokens (mean) | TTFT p50 | TTFT p90 | cached (host, disk) "
+          "| disk folder: largest seen / budget |")
+    print("|---|---|---|---|---|---|")
+    p50s = {}
+    modes = {"pool only": (), "--kv-cache-host-bytes 2GiB": ("--kv-cache-host-bytes", "2GiB"), "--kv-cache-dir": (),
+             "--kv-cache-dir --kv-cache-disk-bytes 256MiB": ("--kv-cache-disk-bytes", "256MiB")}
+    for mode, extra in modes.items():
+        work = Path(tempfile.mkdtemp(prefix="kv-pressure-", dir=args.work))
+        folder = work / "kv" if "--kv-cache-dir" in mode else None
+        sizes: list[int] = []
+        done = threading.Event()
+        try:
+            warm, measured = chat_traces(args.bench_replay, first, work, split=1)
+            proc, url = start(model, args, folder, extra=extra)
+            watcher = threading.Thread(target=watch_folder, args=(folder, done, sizes), daemon=True)
+            watcher.start()
+            try:
+                bench(url, warm, work / "warm.json")
+                run = bench(url, measured, work / "measured.json")
+            finally:
+                stop(proc)
+                done.set()
+                watcher.join()
+            p50s[mode] = run["median_ttft_ms"] / 1e3
+            n = run["completed"]
+            host, disk = ((run[f"{tier}_cached_input_tokens"] or 0) / n for tier in ("host", "disk"))
+            budget = 256 * 2**20 if "256MiB" in mode else 16 * 2**30
+            seen = f"{max(sizes) / 2**20:.0f} / {budget / 2**20:.0f} MiB" if folder is not None and sizes else "–"
+            print(f"| {mode} | {run['total_input_tokens'] / n:.0f} | {p50s[mode]:.2f} s | "
+                  f"{run['p90_ttft_ms'] / 1e3:.2f} s | {run['cached_input_tokens'] / n:.0f} ({host:.0f}, {disk:.0f}) | "
+                  f"{seen} |", flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    for mode in list(p50s)[1:]:
+        print(f"TTFT p50, pool only / {mode}: {p50s['pool only'] / p50s[mode]:.1f}x")
+
+
+def bench_replay(model: str, args) -> None:
+    """--bench-replay: the chats replayed by brisk bench before and after a restart, with and without the tier."""
+    if args.pressure:
+        return bench_pressure(model, args)
+    first = args.prefix_tokens + args.document_tokens
+    print(f"{args.bench_replay} chats through `brisk bench --workload replay --endpoint chat`: a {first}-token "
+          f"prefix each, growing {QUESTION_TOKENS + REPLY_TOKENS} tokens a turn; turns 1-3 before the restart, the "
+          "4th after it")
+    print("| mode | 4th-turn prompt tokens (mean) | TTFT p50 after restart | TTFT p90 | cached (of them from disk) |")
+    print("|---|---|---|---|---|")
+    p50s = {}
+    for mode in ("no tier", "--kv-cache-dir"):
+        work = Path(tempfile.mkdtemp(prefix="kv-bench-replay-", dir=args.work))
+        folder = work / "kv" if mode != "no tier" else None
+        try:
+            before, after = chat_traces(args.bench_replay, first, work)
+            proc, url = start(model, args, folder)
+            try:
+                bench(url, before, work / "before.json")
+            finally:
+                stop(proc)
+            proc, url = start(model, args, folder)
+            try:
+                run = bench(url, after, work / "after.json")
+            finally:
+                stop(proc)
+            p50s[mode] = run["median_ttft_ms"] / 1e3
+            n = run["completed"]
+            print(f"| {mode} | {run['total_input_tokens'] / n:.0f} | {p50s[mode]:.2f} s | "
+                  f"{run['p90_ttft_ms'] / 1e3:.2f} s | {run['cached_input_tokens'] / n:.0f} "
+                  f"({(run['disk_cached_input_tokens'] or 0) / n:.0f}) |",
+                  flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"TTFT p50 after a restart, without the tier / with it: {p50s['no tier'] / p50s['--kv-cache-dir']:.1f}x")
+
+
 def token_times(url: str, prompt: str, max_tokens: int, times: list[float]) -> None:
     """Stream one greedy completion, appending each content delta's arrival time to `times`."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
@@ -200,12 +338,17 @@ def stop(proc: subprocess.Popen) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--shape", default=None, choices=["tinyllama"])
+    parser.add_argument("--shape", default=None, choices=["tinyllama", "llama3.2-1b"])
     parser.add_argument("--prefix-tokens", type=int, default=8000)
     parser.add_argument("--work", type=Path, default=HERE / "peers" / ".work")
     parser.add_argument("--replay", type=int, default=0, metavar="N",
                         help="N users' multi-turn chats across the restart instead (see the docstring)")
     parser.add_argument("--document-tokens", type=int, default=600, help="--replay: each user's document")
+    parser.add_argument("--bench-replay", type=int, default=0, metavar="N",
+                        help="N users' chats replayed by `brisk bench --workload replay` across the restart")
+    parser.add_argument("--pressure", action="store_true",
+                        help="--bench-replay: no restart; a pool too small for the chats, per tier (docstring)")
+    parser.add_argument("--kv-cache-memory", default=None, help="the servers' pool (default 1GiB; --pressure 128MiB)")
     parser.add_argument("--stall", default=None, metavar="TREE[,TREE]",
                         help="the other streams' gap while a prefix is read from disk, per source tree (docstring)")
     parser.add_argument("--streams", type=int, default=4, help="--stall: streams decoding meanwhile")
@@ -216,6 +359,8 @@ def main() -> None:
     print(f"machine read bandwidth: {bandwidth:.1f} GB/s ({how}); model {Path(model).name}", flush=True)
     if args.replay:
         return replay(model, args)
+    if args.bench_replay:
+        return bench_replay(model, args)
     if args.stall:
         return stall(model, args)
     words = int(args.prefix_tokens / 1.04)  # ~1.04 tokens a word of WORDS in the demo vocabulary (measured)

@@ -41,6 +41,9 @@ class Shape:
 
 TINYLLAMA = Shape(hidden=2048, layers=22, ffn=5632, heads=32, kv_heads=4)
 MISTRAL_7B = Shape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8)
+# Llama-3.2-1B's blocks (16 layers, 32/8 heads x 64, FFN 8192): 1.07B weights with the demo's 49k vocabulary; its
+# 128k context cut to 16k (the long prompts the KV benchmarks send fit TinyLlama's 2,048 no longer)
+LLAMA32_1B = Shape(hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, context=16384)
 # Qwen3-30B-A3B's layer: 128 experts of 768, 8 per token, 32/4 heads x 128, q/k norms
 QWEN3_30B_A3B = Shape(hidden=2048, layers=48, ffn=6144, heads=32, kv_heads=4, context=4096, head_dim=128,
                       experts=128, experts_used=8, expert_ffn=768, arch="qwen3moe")
@@ -51,8 +54,8 @@ QWEN3_EMBEDDING_06B = Shape(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads
 # over 128 tokens, sinks and biases (the vocabulary is the tokenizer's the file copies)
 GPT_OSS_20B = Shape(hidden=2880, layers=24, ffn=2880, heads=64, kv_heads=8, context=4096, head_dim=64, experts=32,
                     experts_used=4, expert_ffn=2880, arch="gpt-oss")
-SHAPES = {"gpt-oss-20b": GPT_OSS_20B, "tinyllama": TINYLLAMA, "mistral7b": MISTRAL_7B, "qwen3-30b-a3b": QWEN3_30B_A3B,
-          "qwen3-embedding-0.6b": QWEN3_EMBEDDING_06B}
+SHAPES = {"gpt-oss-20b": GPT_OSS_20B, "tinyllama": TINYLLAMA, "llama3.2-1b": LLAMA32_1B, "mistral7b": MISTRAL_7B,
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-embedding-0.6b": QWEN3_EMBEDDING_06B}
 
 
 def _copy_tokenizer(writer, source_gguf: Path) -> int:
