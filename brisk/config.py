@@ -408,6 +408,20 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
 
+def host_available_memory() -> int:
+    """The host's MemAvailable in bytes (torch-free: `brisk serve`'s pre-flight checks use it)."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def parse_memory(text: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
     import re

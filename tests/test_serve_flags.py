@@ -38,6 +38,8 @@ def serve_fails(*argv: str, cwd=None, env=None) -> tuple[str, float, str]:
     (["--max-model-len", "16384"], "exceeds the model's context window of 8192 tokens"),
     (["--max-model-len", "999999"], "context window of 8192"),  # the window, not "raise KV memory"
     (["--kv-cache-memory", "1KB"], "cannot hold one max-length sequence"),
+    (["--kv-cache-host-bytes", "lots"], "--kv-cache-host-bytes: memory size 'lots' is not understood"),
+    (["--kv-cache-host-bytes", "1000TiB"], "--kv-cache-host-bytes 1024000.0 GiB is more than the"),
     (["--model", "/nope/model.gguf"], "not found"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 0.95]"),
     (["--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: 'fp4' is not a KV cache dtype; use one of auto"),
@@ -63,7 +65,7 @@ def serve_fails(*argv: str, cwd=None, env=None) -> tuple[str, float, str]:
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 32}'], "must be in [1, 16], got 32"),
     (["--speculative-config", '{"model": "/nope/draft.gguf", "num_speculative_tokens": 4}'],
      "--speculative-config model: "),
-], ids=["over-window", "far-over-window", "kv-too-small", "no-model", "gpu-util", "fp8-kv", "template-syntax",
+], ids=["over-window", "far-over-window", "kv-too-small", "host-tier-size", "host-tier-too-big", "no-model", "gpu-util", "fp8-kv", "template-syntax",
         "template-missing", "block-size", "abbreviation", "typo", "typo-2", "port-high", "port-negative", "port-text",
         "dtype", "device", "max-num-seqs", "batched-tokens", "max-model-len-0", "tokenizer-threads",
         "request-timeout", "body-timeout-nan", "choice", "spec-method", "spec-k", "spec-draft-missing"])

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from brisk.config import CacheConfig
+from brisk.config import CacheConfig, host_available_memory
 from brisk.engine.kv_cache.disk_tier import HEADER_BYTES, DiskTier, fingerprint
 from brisk.engine.kv_cache.host_tier import HostTier
 from brisk.engine.kv_cache.manager import KVCacheManager
-from brisk.loading.memory_plan import available_memory, host_available_memory
+from brisk.loading.memory_plan import available_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import RequestOutput, find_stop, stop_window
 from brisk.engine.request import Request, RequestStatus
@@ -105,12 +105,12 @@ class LLMEngine:
                      " (full-attention layers keep every block)")
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(loaded, self.num_blocks, bs, self.kv_dtype, seed, batch_invariant=batch_invariant)
+        self.host = self._host_tier()  # first: its check of the memory left may refuse, before any thread starts
+        if self.host is not None:
+            self.kv.set_host_tier(self.host)
         self.disk = self._disk_tier()
         self.kv.disk = self.disk
         self.prefault_thread = self._prefault_for_disk()
-        self.host = self._host_tier()
-        if self.host is not None:
-            self.kv.set_host_tier(self.host)
         if self.runner.batch_invariant:
             log.info("batch-invariant: greedy output depends on the request only, not on the batch or the "
                      "prefix cache (--no-batch-invariant: prompt chunks take SDPA instead)")

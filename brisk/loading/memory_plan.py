@@ -5,9 +5,9 @@ or converted: a model that cannot fit is refused at start with the numbers.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from brisk.config import host_available_memory
 from brisk.errors import BriskError
 from brisk.kv_dtype import KVDtype
 from brisk.loading import safetensors_io
@@ -94,15 +94,3 @@ def available_memory(device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return free
     return host_available_memory()
-
-
-def host_available_memory() -> int:
-    """The host's MemAvailable in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -83,6 +83,17 @@ def kv_dtype(args: argparse.Namespace) -> KVDtype | None:
     return resolve_kv_dtype("auto", "float32", "cpu") if cpu else None
 
 
+def check_host_tier(host_bytes: int) -> None:
+    """--kv-cache-host-bytes past the host's available memory: one line now (the engine checks again once its
+    pool is sized)."""
+    from brisk.config import host_available_memory
+
+    free = host_available_memory()
+    if host_bytes > free:
+        raise BriskError(f"--kv-cache-host-bytes {host_bytes / 2**30:.1f} GiB is more than the {free / 2**30:.1f} GiB "
+                         "of host memory available; give it less")
+
+
 def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_len: int, source: str) -> None:
     """With an explicit --kv-cache-memory: it must hold one max-length sequence (the engine's own
     rule, checked now instead of after the weights have loaded)."""
@@ -90,6 +101,7 @@ def check_kv_budget(args: argparse.Namespace, config: dict[str, Any], max_model_
     from brisk.config import ModelConfig
 
     cache, _ = engine_configs(args, max_model_len)  # every engine flag, validated
+    check_host_tier(cache.kv_cache_host_bytes)
     kv = kv_dtype(args)
     if cache.kv_cache_memory is None or kv is None:
         return
