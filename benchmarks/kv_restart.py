@@ -211,6 +211,8 @@ def bench_pressure(model: str, args) -> None:
     modes = {"pool only": (), "--kv-cache-host-bytes 2GiB": ("--kv-cache-host-bytes", "2GiB"), "--kv-cache-dir": (),
              "--kv-cache-dir --kv-cache-disk-bytes 256MiB": ("--kv-cache-disk-bytes", "256MiB")}
     for mode, extra in modes.items():
+        if args.tiers and mode not in args.tiers:
+            continue
         work = Path(tempfile.mkdtemp(prefix="kv-pressure-", dir=args.work))
         folder = work / "kv" if "--kv-cache-dir" in mode else None
         sizes: list[int] = []
@@ -231,14 +233,15 @@ def bench_pressure(model: str, args) -> None:
             n = run["completed"]
             host, disk = ((run[f"{tier}_cached_input_tokens"] or 0) / n for tier in ("host", "disk"))
             budget = 256 * 2**20 if "256MiB" in mode else 16 * 2**30
-            seen = f"{max(sizes) / 2**20:.0f} / {budget / 2**20:.0f} MiB" if folder is not None and sizes else "–"
+            seen = f"{max(sizes):,} / {budget:,} bytes" if folder is not None and sizes else "–"
             print(f"| {mode} | {run['total_input_tokens'] / n:.0f} | {p50s[mode]:.2f} s | "
                   f"{run['p90_ttft_ms'] / 1e3:.2f} s | {run['cached_input_tokens'] / n:.0f} ({host:.0f}, {disk:.0f}) | "
                   f"{seen} |", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    for mode in list(p50s)[1:]:
-        print(f"TTFT p50, pool only / {mode}: {p50s['pool only'] / p50s[mode]:.1f}x")
+    for mode in list(p50s):
+        if mode != "pool only" and "pool only" in p50s:
+            print(f"TTFT p50, pool only / {mode}: {p50s['pool only'] / p50s[mode]:.1f}x")
 
 
 def bench_replay(model: str, args) -> None:
@@ -348,6 +351,8 @@ def main() -> None:
                         help="N users' chats replayed by `brisk bench --workload replay` across the restart")
     parser.add_argument("--pressure", action="store_true",
                         help="--bench-replay: no restart; a pool too small for the chats, per tier (docstring)")
+    parser.add_argument("--tiers", nargs="*", default=None, metavar="MODE",
+                        help="--pressure: only these rows (as the table names them), e.g. '--kv-cache-dir'")
     parser.add_argument("--kv-cache-memory", default=None, help="the servers' pool (default 1GiB; --pressure 128MiB)")
     parser.add_argument("--stall", default=None, metavar="TREE[,TREE]",
                         help="the other streams' gap while a prefix is read from disk, per source tree (docstring)")
