@@ -56,8 +56,10 @@ def cold(demo):
 
 def test_a_restart_finds_the_prefix_on_disk_and_answers_as_if_cold(demo, cold, tmp_path):
     first = engine(demo, tmp_path)
-    (tokens, cached), = run(first, [prompt(demo, "Do you fix flat tyres?")])
+    p1 = prompt(demo, "Do you fix flat tyres?")
+    (tokens, cached), = run(first, [p1])
     assert tokens == cold["Do you fix flat tyres?"] and cached == 0
+    assert first.kv.disk_misses_tokens == (len(p1) - 1) // BLOCK * BLOCK  # every full block looked for, none there
     first.close()  # what a drained shutdown does: every queued block written
     assert first.disk.stats.written > 0 and first.disk.stats.write_errors == 0
 
@@ -68,6 +70,7 @@ def test_a_restart_finds_the_prefix_on_disk_and_answers_as_if_cold(demo, cold, t
     assert cached >= shared and cached % BLOCK == 0 and cached < len(p), (cached, len(p))
     assert second.disk.stats.hits == cached // BLOCK
     assert second.kv.disk_hits_tokens == cached
+    assert second.kv.disk_misses_tokens == (len(p) - 1) // BLOCK * BLOCK - cached  # the blocks past the shared ones
     assert tokens == cold["Where is my order?"]  # the restored prefix gives the same greedy tokens
     (_, again), = run(second, [p])  # the same prompt again: now all in the pool, none read from disk
     assert again >= cached and second.disk.stats.hits == cached // BLOCK

@@ -171,6 +171,7 @@ def test_the_manager_spills_evicted_blocks_and_takes_them_back_once():
     assert len(kv.host) == 3  # looking takes nothing
     new = kv.allocate_slots(c, 1, hit)
     assert len(kv.host) == 0 and kv.host_hits_tokens == 6
+    assert kv.host_misses_tokens == 12  # a's and b's three full blocks each, looked for before anything was there
     assert [i for i, _ in kv.take_loads()] == [x.block_id for x in new[:3]]
 
 
@@ -199,6 +200,8 @@ def test_the_server_reports_the_host_tier_in_usage_and_metrics(demo, cold):
     values = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
     assert values["brisk:kv_host_hits_total"] == tiers["host"] and values["brisk:kv_host_budget_bytes"] == 2**30
     assert values["brisk:kv_host_blocks_stored_total"] > 0
+    assert values["brisk:kv_host_misses_total"] > 0  # the first two prompts: nothing there yet
     assert _kv_host_tier(values) == {"budget_bytes": 2**30, "bytes": int(values["brisk:kv_host_bytes"]),
                                      "tokens_read": tiers["host"],
+                                     "tokens_missed": int(values["brisk:kv_host_misses_total"]),
                                      "blocks_stored": int(values["brisk:kv_host_blocks_stored_total"])}

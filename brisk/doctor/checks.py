@@ -166,6 +166,7 @@ def _kv_disk_tier(metrics: dict[str, float]) -> dict[str, int] | None:
     return {"budget_bytes": int(metrics["brisk:kv_disk_budget_bytes"]),
             "bytes": int(metrics.get("brisk:kv_disk_bytes", 0)),
             "tokens_read": int(metrics.get("brisk:kv_disk_hits_total", 0)),
+            "tokens_missed": int(metrics.get("brisk:kv_disk_misses_total", 0)),
             "blocks_written": int(metrics.get("brisk:kv_disk_blocks_written_total", 0))}
 
 
@@ -177,6 +178,7 @@ def _kv_host_tier(metrics: dict[str, float]) -> dict[str, int] | None:
     return {"budget_bytes": int(metrics["brisk:kv_host_budget_bytes"]),
             "bytes": int(metrics.get("brisk:kv_host_bytes", 0)),
             "tokens_read": int(metrics.get("brisk:kv_host_hits_total", 0)),
+            "tokens_missed": int(metrics.get("brisk:kv_host_misses_total", 0)),
             "blocks_stored": int(metrics.get("brisk:kv_host_blocks_stored_total", 0))}
 
 

@@ -563,7 +563,8 @@ class LLMEngine:
         if self.host is None:
             return {}
         h = self.host.stats
-        return {"kv_host_hits_tokens": self.kv.host_hits_tokens, "kv_host_blocks_read": h.hits,
+        return {"kv_host_hits_tokens": self.kv.host_hits_tokens, "kv_host_misses_tokens": self.kv.host_misses_tokens,
+                "kv_host_blocks_read": h.hits,
                 "kv_host_blocks_stored": h.stored, "kv_host_blocks_evicted": h.evicted,
                 "kv_host_budget_bytes": self.host.max_bytes, "kv_host_bytes": self.host.size_bytes}
 
@@ -571,7 +572,8 @@ class LLMEngine:
         if self.disk is None:
             return {}
         d = self.disk.stats
-        return {"kv_disk_hits_tokens": self.kv.disk_hits_tokens, "kv_disk_blocks_read": d.hits,
+        return {"kv_disk_hits_tokens": self.kv.disk_hits_tokens, "kv_disk_misses_tokens": self.kv.disk_misses_tokens,
+                "kv_disk_blocks_read": d.hits,
                 "kv_disk_blocks_corrupt": d.corrupt, "kv_disk_blocks_written": d.written,
                 "kv_disk_blocks_not_written": d.dropped + d.write_errors, "kv_disk_budget_bytes": self.disk.max_bytes,
                 "kv_disk_bytes": self.disk.size_bytes, "kv_disk_loads": d.loads, "kv_disk_load_seconds": d.load_seconds}

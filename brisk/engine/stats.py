@@ -45,6 +45,8 @@ class EngineStats:
     # the host tier (--kv-cache-host-bytes): prompt tokens found there, blocks taken back into the pool, blocks
     # the pool spilled there and blocks dropped for the budget; all 0 without one
     kv_host_hits_tokens: int = 0
+    kv_host_misses_tokens: int = 0  # prompt tokens (full blocks) past the pool's that the host tier did not have
+    kv_disk_misses_tokens: int = 0  # ... past the pool's and the host tier's that the disk tier did not have
     kv_host_blocks_read: int = 0
     kv_host_blocks_stored: int = 0
     kv_host_blocks_evicted: int = 0

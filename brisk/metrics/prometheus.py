@@ -182,6 +182,10 @@ class _EngineCollector:
              "failed).", lambda s: s.kv_disk_blocks_not_written),
             ("brisk:kv_host_hits", "Prompt tokens whose KV blocks were taken back from the host tier "
              "(--kv-cache-host-bytes).", lambda s: s.kv_host_hits_tokens),
+            ("brisk:kv_host_misses", "Prompt tokens (full blocks) past the pool's cached prefix that the host tier "
+             "did not hold.", lambda s: s.kv_host_misses_tokens),
+            ("brisk:kv_disk_misses", "Prompt tokens (full blocks) past the pool's and the host tier's cached prefix "
+             "that the disk tier did not hold.", lambda s: s.kv_disk_misses_tokens),
             ("brisk:kv_host_blocks_read", "KV blocks taken back from the host tier into the pool.",
              lambda s: s.kv_host_blocks_read),
             ("brisk:kv_host_blocks_stored", "Cached KV blocks the pool evicted into the host tier.",

@@ -32,10 +32,11 @@ class CacheableRequest(Protocol):
 @dataclass
 class PrefixHit:
     blocks: list[KVBlock]
-    num_tokens: int  # the pool's blocks and the disk's
+    num_tokens: int  # the pool's blocks and the tiers'
     # blocks after `blocks` whose bytes come from a tier: the host tier's first, then the disk's
     loaded: list[tuple[BlockHash, bytes]] = field(default_factory=list)
     num_host_blocks: int = 0  # of `loaded`, those from the host tier
+    num_past_pool_blocks: int = 0  # full blocks past the pool's: what the tiers were asked for
 
     @property
     def num_disk_blocks(self) -> int:
@@ -100,6 +101,10 @@ class KVCacheManager:
         self.disk_hits_tokens = 0
         self.host = None  # the host tier (a HostTier, or None): set_host_tier
         self.host_hits_tokens = 0
+        # prompt tokens (full blocks) a tier was asked for at admission and did not have: past the pool's
+        # blocks for the host tier, past the pool's and the host tier's for the disk tier
+        self.host_misses_tokens = 0
+        self.disk_misses_tokens = 0
         if host is not None:
             self.set_host_tier(host)
         self._loads: list[tuple[int, bytes]] = []
@@ -161,13 +166,13 @@ class KVCacheManager:
                 if payload is None:
                     break
                 loaded.append((block_hash, payload))
-        return PrefixHit(blocks, (len(blocks) + len(loaded)) * self.block_size, loaded, num_host)
+        return PrefixHit(blocks, (len(blocks) + len(loaded)) * self.block_size, loaded, num_host,
+                         num_host + len(rest))
 
     def disk_read_pending(self, request: CacheableRequest) -> bool:
         """Whether the request waits for its prefix to be read from disk. The first call for a request whose
         prefix continues on disk past the pool's (and the host tier's) blocks starts the read (on the tier's
-        reader thread) and
-        answers True; later calls answer True until the blocks are in memory."""
+        reader thread) and answers True; later calls answer True until the blocks are in memory."""
         if self.disk is None:
             return False
         rid = request.request_id
@@ -213,6 +218,11 @@ class KVCacheManager:
             self.prefix_hits_tokens += prefix.num_tokens
             self.host_hits_tokens += prefix.num_host_blocks * self.block_size
             self.disk_hits_tokens += prefix.num_disk_blocks * self.block_size
+            past_host = prefix.num_past_pool_blocks - prefix.num_host_blocks
+            if self.host is not None:
+                self.host_misses_tokens += past_host * self.block_size
+            if self.disk is not None:
+                self.disk_misses_tokens += (past_host - prefix.num_disk_blocks) * self.block_size
             for block_hash, _ in prefix.loaded[:prefix.num_host_blocks]:
                 self.host.take(block_hash)  # back into the pool: one place for a block at a time
         self.pool.touch(shared)
