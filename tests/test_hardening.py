@@ -249,21 +249,68 @@ def test_idle_and_slowloris_connections_are_reaped(demo):
         assert reply.startswith(b"HTTP/1.1 200")
 
 
+def _get_on(sock: socket.socket) -> bytes:
+    """One GET /health on a kept-alive raw connection; the response."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    return _read_health(sock)
+
+
+def _read_health(sock: socket.socket) -> bytes:
+    """A /health response, read to its JSON body's end (the connection stays open)."""
+    sock.settimeout(10)
+    reply = b""
+    while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+        chunk = sock.recv(4096)
+        assert chunk, f"closed mid-response: {reply!r}"
+        reply += chunk
+    return reply
+
+
 def test_connections_past_the_cap_get_503_and_are_closed(demo):
     with serve_engine(make_engine(demo), max_connections=3, header_timeout_s=30) as live:
         host, port = live.url[7:].split(":")
-        held = [socket.create_connection((host, int(port))) for _ in range(2)]
-        with live.client() as http:  # the third connection: at the cap, still served
-            assert http.get("/health").status_code == 200
-            extra = socket.create_connection((host, int(port)))
-            reply = _read_until_closed(extra, 10)
-            assert reply.startswith(b"HTTP/1.1 503") and b"--max-connections" in reply
-            assert http.get("/health").status_code == 200  # the connections inside the cap still work
-        for s in held:
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]  # no request yet: not idle
+        busy = socket.create_connection((host, int(port)))  # the third connection: at the cap, still served
+        assert _get_on(busy).startswith(b"HTTP/1.1 200")
+        busy.sendall(b"GET /health HTTP/1.1\r\n")  # a request head under way: not idle either
+        extra = socket.create_connection((host, int(port)))
+        reply = _read_until_closed(extra, 10)
+        assert reply.startswith(b"HTTP/1.1 503") and b"--max-connections" in reply
+        busy.sendall(b"Host: x\r\n\r\n")  # the connections inside the cap still work
+        assert _read_health(busy).startswith(b"HTTP/1.1 200")
+        # now `busy` is idle between requests: a new client takes its place rather than a 503
+        newcomer = socket.create_connection((host, int(port)))
+        assert _get_on(newcomer).startswith(b"HTTP/1.1 200")
+        assert _read_until_closed(busy, 10) == b""  # closed to make room (a plain close, no response)
+        for s in held + [newcomer]:
             s.close()
         time.sleep(0.2)
         with live.client() as http:
             assert http.get("/health").status_code == 200
+
+
+def test_an_idle_keep_alive_connection_outlives_the_header_timeout(demo):
+    """Between requests only --timeout-keep-alive closes an idle connection (the header timeout
+    counts from a request's first byte), and the default outlasts the openai SDK's pool expiry,
+    so that client always drops an idle connection before the server closes it under it."""
+    import openai._constants
+
+    from brisk.cli import build_parser
+    from brisk.server.state import ServerConfig
+
+    expiry = openai._constants.DEFAULT_CONNECTION_LIMITS.keepalive_expiry
+    assert ServerConfig().keep_alive_s > 2 * expiry
+    default = build_parser().parse_args(["serve", "m"]).timeout_keep_alive
+    assert default == ServerConfig().keep_alive_s
+    with serve_engine(make_engine(demo), header_timeout_s=0.3, keep_alive_s=30) as live:
+        host, port = live.url[7:].split(":")
+        sock = socket.create_connection((host, int(port)))
+        assert _get_on(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(1.0)  # idle for 3 header timeouts
+        assert _get_on(sock).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # a head begun and never finished: 408 in time
+        reply = _read_until_closed(sock, 10)
+        assert reply.startswith(b"HTTP/1.1 408") and b"--header-timeout" in reply
 
 
 # -- 7. a request larger than the server's capacity is a 400, not a 429 ---------------------

@@ -80,8 +80,9 @@ def _limit_arguments(limits) -> None:
                         help="seconds a connection has to send a complete request head (default 15)")
     limits.add_argument("--body-timeout", type=argtypes.number(above=0), default=30.0,
                         help="seconds a request body has to arrive once its head has (default 30)")
-    limits.add_argument("--timeout-keep-alive", type=argtypes.number(above=0), default=5.0,
-                        help="seconds an idle keep-alive connection stays open (default 5)")
+    limits.add_argument("--timeout-keep-alive", type=argtypes.number(above=0), default=75.0,
+                        help="seconds an idle keep-alive connection stays open (default 75: past the idle "
+                             "expiry of client pools, so a client never sends on a connection being closed)")
     limits.add_argument("--max-connections", type=argtypes.positive, default=1000,
                         help="open connections at most; a new one past it gets 503 and is closed (default 1000)")
 
