@@ -84,6 +84,42 @@ def test_an_evicted_prefix_comes_back_from_host_memory_exactly(demo, cold):
     assert tokens == cold["Where is my order?"] and host == 0 and cached < shared, cached
 
 
+def test_a_prefix_evicted_and_wanted_in_one_step_is_taken_back_not_recomputed(demo, cold):
+    """Two requests admitted in one step: the first one's allocation evicts blocks of the shop's system prompt,
+    which the second one's prompt starts with. Those blocks have not reached the host tier yet (they are copied
+    out before the step's forward), but their bytes are still in the pool: the second request takes them from
+    there (a PendingSpill) instead of recomputing them, exactly, and they never enter the tier."""
+    from brisk.engine.kv_cache.hashing import hash_full_blocks
+
+    eng = LLMEngine(demo, CacheConfig(block_size=BLOCK, num_gpu_blocks_override=48, kv_cache_host_bytes=2**30),
+                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=768))
+    run(eng, prompt(demo, SHOP, "Do you fix flat tyres?"))
+    run(eng, prompt(demo, BAKERY, "Do you have rye bread?"))  # freed after the shop's: behind them in the queue
+    p = prompt(demo, SHOP, "Where is my order?")
+    first = prompt(demo, SHOP, "Do you fix flat tyres?")
+    same = next(i for i, (x, y) in enumerate(zip(p, first)) if x != y) // BLOCK  # full blocks the two share
+    shared = hash_full_blocks(p, BLOCK)[:same]
+    queue = list(eng.kv.pool.free_blocks.values())  # the order allocation takes them in
+    at = max(i for i, b in enumerate(queue) if b.block_hash in shared[-2:])
+    evicted = {b.block_hash for b in queue[:at + 1] if b.block_hash in shared}
+    assert len(evicted) == 2  # the shared prefix's last two blocks go to the long request
+    long_prompt = [demo.tokenizer.encode(" bicycle")[0]] * ((at + 1) * BLOCK - 3)
+    eng.add_request(long_prompt, SamplingParams(max_tokens=1, temperature=0))
+    rid = eng.add_request(p, GREEDY)
+    done = None
+    first_step = True
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished and out.request_id == rid:
+                done = out
+        if first_step:  # both were admitted in it; the two blocks went back into the pool, not to the tier
+            assert not any(eng.host.has(h) for h in evicted) and eng.host.stats.stored > 0
+            first_step = False
+    assert done.token_ids == cold["Where is my order?"]
+    assert done.num_host_prompt_tokens == 2 * BLOCK and done.num_cached_prompt_tokens == same * BLOCK
+    assert eng.host.stats.hits == 0  # (taken from the pool's own bytes, not from the tier)
+
+
 def test_the_tier_stays_within_its_budget_and_a_partial_prefix_is_still_exact(demo, cold):
     budget = 3 * engine(demo).runner.kv.block_nbytes(BLOCK)
     eng = engine(demo, host_bytes=budget)
@@ -173,6 +209,33 @@ def test_the_manager_spills_evicted_blocks_and_takes_them_back_once():
     assert len(kv.host) == 0 and kv.host_hits_tokens == 6
     assert kv.host_misses_tokens == 12  # a's and b's three full blocks each, looked for before anything was there
     assert [i for i, _ in kv.take_loads()] == [x.block_id for x in new[:3]]
+
+
+def test_a_block_spilled_in_this_step_is_found_before_it_reaches_the_tier():
+    """Torch-free: c's prefix continues into a block b's allocation evicted moments ago, before the engine
+    copied it out: the hit points at that block's bytes (a PendingSpill), c's new block takes them, and the
+    tier never gets a copy (the engine skips a spill taken back; tested with the engine above)."""
+    from brisk.engine.kv_cache.manager import PendingSpill
+
+    kv = KVCacheManager(12, 2, host=HostTier(100, 1))
+    d = _Req("d", [7, 7, 7])
+    kv.allocate_slots(d, 3, kv.find_cached_prefix(d))
+    a = _Req("a", [1, 2, 3, 4, 5, 6, 7])
+    kv.allocate_slots(a, 7, kv.find_cached_prefix(a))
+    kv.cache_full_blocks(a, 7)
+    a_blocks = kv.block_ids("a")
+    kv.free("a")
+    kv.free("d")  # behind a's blocks in the queue: room left after b takes a's last ones
+    b = _Req("b", [9] * 16)
+    assert kv.allocate_slots(b, 16, kv.find_cached_prefix(b)) is not None
+    assert [i for i, _ in kv.pool.spills] == [a_blocks[2]]  # a's third full block (its 4th is partial)
+    c = _Req("c", [1, 2, 3, 4, 5, 6, 8])
+    hit = kv.find_cached_prefix(c)
+    assert [blk.block_id for blk in hit.blocks] == a_blocks[:2] and hit.num_tokens == 6
+    assert hit.num_host_blocks == 1 and hit.loaded[0][1] == PendingSpill(a_blocks[2])
+    new = kv.allocate_slots(c, 1, hit)
+    assert kv.take_loads() == [(new[0].block_id, PendingSpill(a_blocks[2]))] and kv.host_hits_tokens == 2
+    assert kv.take_spills() == [(a_blocks[2], hit.loaded[0][0])] and len(kv.host) == 0
 
 
 def test_the_server_reports_the_host_tier_in_usage_and_metrics(demo, cold):

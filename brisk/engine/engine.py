@@ -19,7 +19,7 @@ from pathlib import Path
 from brisk.config import CacheConfig, host_available_memory
 from brisk.engine.kv_cache.disk_tier import HEADER_BYTES, DiskTier, fingerprint
 from brisk.engine.kv_cache.host_tier import HostTier
-from brisk.engine.kv_cache.manager import KVCacheManager
+from brisk.engine.kv_cache.manager import KVCacheManager, PendingSpill
 from brisk.loading.memory_plan import available_memory
 from brisk.engine.model_runner import ModelRunner
 from brisk.engine.outputs import RequestOutput, find_stop, stop_window
@@ -274,9 +274,16 @@ class LLMEngine:
         disk tier's writer (a copy of their bytes; the writing happens off this thread)."""
         bs = self.cache_config.block_size
         if before_forward:
-            for block_id, block_hash in self.kv.take_spills():
-                self.host.put(block_hash, self.runner.kv.read_block(block_id, bs))
-            for block_id, payload in self.kv.take_loads():
+            spilled = {block_id: (block_hash, self.runner.kv.read_block(block_id, bs))
+                       for block_id, block_hash in self.kv.take_spills()}
+            loads = self.kv.take_loads()
+            taken_back = {payload.block_id for _, payload in loads if isinstance(payload, PendingSpill)}
+            for block_id, (block_hash, payload) in spilled.items():
+                if block_id not in taken_back:  # (one taken back in this step is in the pool again)
+                    self.host.put(block_hash, payload)
+            for block_id, payload in loads:
+                if isinstance(payload, PendingSpill):
+                    payload = spilled[payload.block_id][1]
                 self.runner.kv.write_block(block_id, bs, payload)
         elif self.disk is not None:
             for block_id, block_hash in self.kv.take_written():

@@ -4,8 +4,9 @@ When the pool must reuse a block that still holds a cached prefix, the engine co
 here before the step overwrites it (`KVCacheManager.take_spills`); a later request whose prefix continues
 past the pool's blocks takes them back from here before it looks on disk, and the engine copies them into
 fresh pool blocks. A block lives in the pool or here, not in both: taking it back removes it (the pool
-spills it again when it evicts it again). The least recently stored or used blocks leave first once the
-tier passes `max_bytes`.
+spills it again when it evicts it again); a block evicted and wanted in the same step goes from its old pool
+block to its new one and never comes here (`manager.PendingSpill`). The least recently stored or used
+blocks leave first once the tier passes `max_bytes`.
 
 On a GPU this is the CPU memory behind the device's pool (vLLM's CPU offloading, SGLang's HiCache host
 layer): a prefix that no longer fits on the device costs a copy instead of a prefill. On a CPU the pool

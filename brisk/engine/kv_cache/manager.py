@@ -44,6 +44,15 @@ class PrefixHit:
 
 
 @dataclass(frozen=True)
+class PendingSpill:
+    """The bytes of a prefix block this step's allocation evicted and has not yet copied to the host tier:
+    they are still in pool block `block_id` (now another request's) until the step's forward. The engine reads
+    them there with the step's other spills and copies them into the block that takes the prefix back, so a
+    prefix evicted and wanted in one step is not recomputed."""
+    block_id: int
+
+
+@dataclass(frozen=True)
 class KVCacheUsage:
     num_blocks: int
     num_used_blocks: int  # held by at least one request
@@ -107,7 +116,7 @@ class KVCacheManager:
         self.disk_misses_tokens = 0
         if host is not None:
             self.set_host_tier(host)
-        self._loads: list[tuple[int, bytes]] = []
+        self._loads: list[tuple[int, bytes | PendingSpill]] = []
         self._written: list[tuple[int, BlockHash]] = []
         # a waiting request's disk read: a _Reading while under way, then the blocks read (hash -> bytes)
         self._disk_reads: dict[str, dict[BlockHash, bytes] | _Reading] = {}
@@ -139,14 +148,18 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, hashes[len(blocks):]
 
-    def _host_prefix(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, bytes]]:
-        """The leading blocks of `hashes` the host tier holds, with their bytes (left there until admission)."""
-        found = []
+    def _host_prefix(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, bytes | PendingSpill]]:
+        """The leading blocks of `hashes` the host tier holds, with their bytes (left there until admission), or
+        on their way there: evicted by this step's allocations and not yet copied out (a `PendingSpill`)."""
+        found: list[tuple[BlockHash, bytes | PendingSpill]] = []
         if self.host is not None:
+            pending = {block_hash: block_id for block_id, block_hash in self.pool.spills or ()}
             for block_hash in hashes:
                 payload = self.host.peek(block_hash)
                 if payload is None:
-                    break
+                    if block_hash not in pending:
+                        break
+                    payload = PendingSpill(pending[block_hash])
                 found.append((block_hash, payload))
         return found
 
@@ -223,8 +236,9 @@ class KVCacheManager:
                 self.host_misses_tokens += past_host * self.block_size
             if self.disk is not None:
                 self.disk_misses_tokens += (past_host - prefix.num_disk_blocks) * self.block_size
-            for block_hash, _ in prefix.loaded[:prefix.num_host_blocks]:
-                self.host.take(block_hash)  # back into the pool: one place for a block at a time
+            for block_hash, payload in prefix.loaded[:prefix.num_host_blocks]:
+                if not isinstance(payload, PendingSpill):  # (a pending one never reaches the tier)
+                    self.host.take(block_hash)  # back into the pool: one place for a block at a time
         self.pool.touch(shared)
         new_blocks = self.pool.allocate(max(num_needed, 0)) or []
         if prefix is not None and prefix.loaded:  # the first new blocks take the tiers' bytes
@@ -270,10 +284,11 @@ class KVCacheManager:
         self.pool.spills = []
         return spills
 
-    def take_loads(self) -> list[tuple[int, bytes]]:
+    def take_loads(self) -> list[tuple[int, bytes | PendingSpill]]:
         """(block id, bytes) of the blocks taken from the host tier or read from disk since the last call: the
         engine copies them into the pool before the step's forward (the requests admitted with them count those
-        tokens as computed)."""
+        tokens as computed). A `PendingSpill` instead of bytes: those of one of this step's spills (`take_spills`),
+        which then does not go to the host tier."""
         loads, self._loads = self._loads, []
         return loads
 
