@@ -31,6 +31,8 @@ unless given: about one and a half chats), so every user's history is evicted be
 first turns are replayed, then turns 2-4 are measured, with the pool alone, with --kv-cache-host-bytes 2GiB, with
 --kv-cache-dir, and with --kv-cache-dir on a 256 MiB budget (its folder's size sampled every 50 ms): what a
 returning chat costs when the pool evicted it, where it comes back from, and whether the folder keeps its budget.
+With `--llama-server PATH`, two more rows: llama-server on the same GGUF, its context the tokens brisk's pool holds,
+with `--cache-ram 0` and with `--cache-ram 2048` (its host-memory prompt cache, the nearest peer of the host tier).
 
 `--stall TREE[,TREE...]`: what a prefix read from disk costs the other streams. For each source tree (a checkout
 with its kernels built; `python -m brisk` runs from it): start with the tier, cache the long system prompt, restart,
@@ -61,7 +63,7 @@ sys.path[:0] = [str(HERE), str(HERE / "peers")]
 
 from decode_speed import read_bandwidth_gbs  # noqa: E402
 from quantized_peers import model_path, wait_health  # noqa: E402
-from run_peers import free_port  # noqa: E402
+from run_peers import demo_gguf, free_port  # noqa: E402
 
 WORDS = ("the service manual describes how each part of the bicycle is inspected adjusted and replaced "
          "including brakes gears wheels tyres chains bearings cables and the frame itself").split()
@@ -198,8 +200,33 @@ def watch_folder(folder: Path | None, done: threading.Event, sizes: list[int]) -
         sizes.append(total)
 
 
+def pool_tokens(url: str) -> int:
+    """Tokens a brisk server's KV pool holds (`brisk:kv_num_blocks` of the default block size)."""
+    from brisk.config import DEFAULT_BLOCK_SIZE
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("brisk:kv_num_blocks "):
+            return int(float(line.split()[1])) * DEFAULT_BLOCK_SIZE
+    raise RuntimeError("no brisk:kv_num_blocks in /metrics")
+
+
+def start_llama_server(gguf: Path, args, ctx_tokens: int, cache_ram_mib: int) -> tuple[subprocess.Popen, str]:
+    """llama-server on the same GGUF with one slot whose context is the tokens brisk's pool holds (its default
+    slots split the context: a chat of 1,900 tokens did not fit one), and `--cache-ram` MiB of host-memory prompt
+    cache (0: none). The replay sends one request at a time, so one slot serves it as brisk's pool does."""
+    port = free_port()
+    cmd = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx_tokens),
+           "-np", "1", "--cache-ram", str(cache_ram_mib), "-t", "2"]
+    proc = subprocess.Popen(cmd, stdout=open(args.work / "kv_restart.log", "a"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_health(url, proc, "/health")
+    return proc, url
+
+
 def bench_pressure(model: str, args) -> None:
-    """--bench-replay N --pressure: turns 2-4 of the chats on a pool that cannot keep them, per tier."""
+    """--bench-replay N --pressure: turns 2-4 of the chats on a pool that cannot keep them, per tier; with
+    --llama-server, llama-server on the same GGUF, its context the tokens brisk's pool holds, without and with
+    its host-memory prompt cache (--cache-ram 2048: the host tier's 2 GiB)."""
     first = args.prefix_tokens + args.document_tokens
     print(f"{args.bench_replay} chats through `brisk bench --workload replay --endpoint chat`: a {first}-token "
           f"prefix each, growing {QUESTION_TOKENS + REPLY_TOKENS} tokens a turn; turn 1 replayed, then turns 2-4 "
@@ -210,8 +237,11 @@ def bench_pressure(model: str, args) -> None:
     p50s = {}
     modes = {"pool only": (), "--kv-cache-host-bytes 2GiB": ("--kv-cache-host-bytes", "2GiB"), "--kv-cache-dir": (),
              "--kv-cache-dir --kv-cache-disk-bytes 256MiB": ("--kv-cache-disk-bytes", "256MiB")}
+    if args.llama_server:
+        modes.update({"llama-server --cache-ram 0": (), "llama-server --cache-ram 2048": ()})
+    ctx_tokens = 0
     for mode, extra in modes.items():
-        if args.tiers and mode not in args.tiers:
+        if args.tiers and mode not in args.tiers and not mode.startswith("llama-server"):
             continue
         work = Path(tempfile.mkdtemp(prefix="kv-pressure-", dir=args.work))
         folder = work / "kv" if "--kv-cache-dir" in mode else None
@@ -219,7 +249,16 @@ def bench_pressure(model: str, args) -> None:
         done = threading.Event()
         try:
             warm, measured = chat_traces(args.bench_replay, first, work, split=1)
-            proc, url = start(model, args, folder, extra=extra)
+            if mode.startswith("llama-server"):
+                if not ctx_tokens:  # the pool's tokens of a brisk server started as the rows above
+                    proc, url = start(model, args, None)
+                    ctx_tokens = pool_tokens(url)
+                    stop(proc)
+                gguf = Path(model) if model.endswith(".gguf") else demo_gguf()
+                print(f"(llama-server: -c {ctx_tokens}, brisk's pool in tokens, -np 1)", flush=True)
+                proc, url = start_llama_server(gguf, args, ctx_tokens, int(mode.rsplit(" ", 1)[1]))
+            else:
+                proc, url = start(model, args, folder, extra=extra)
             watcher = threading.Thread(target=watch_folder, args=(folder, done, sizes), daemon=True)
             watcher.start()
             try:
@@ -234,14 +273,19 @@ def bench_pressure(model: str, args) -> None:
             host, disk = ((run[f"{tier}_cached_input_tokens"] or 0) / n for tier in ("host", "disk"))
             budget = 256 * 2**20 if "256MiB" in mode else 16 * 2**30
             seen = f"{max(sizes):,} / {budget:,} bytes" if folder is not None and sizes else "–"
+            cached = ("not reported" if run["cached_input_tokens"] is None else
+                      f"{run['cached_input_tokens'] / n:.0f}" + ("" if mode.startswith("llama") else
+                                                                 f" ({host:.0f}, {disk:.0f})"))
             print(f"| {mode} | {run['total_input_tokens'] / n:.0f} | {p50s[mode]:.2f} s | "
-                  f"{run['p90_ttft_ms'] / 1e3:.2f} s | {run['cached_input_tokens'] / n:.0f} ({host:.0f}, {disk:.0f}) | "
-                  f"{seen} |", flush=True)
+                  f"{run['p90_ttft_ms'] / 1e3:.2f} s | {cached} | {seen} |", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     for mode in list(p50s):
         if mode != "pool only" and "pool only" in p50s:
             print(f"TTFT p50, pool only / {mode}: {p50s['pool only'] / p50s[mode]:.1f}x")
+    for mode in [m for m in p50s if m.startswith("llama-server")]:
+        for ours in [m for m in p50s if not m.startswith("llama-server")]:
+            print(f"TTFT p50, {mode} / brisk {ours}: {p50s[mode] / p50s[ours]:.1f}x")
 
 
 def bench_replay(model: str, args) -> None:
@@ -354,6 +398,8 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="*", default=None, metavar="MODE",
                         help="--pressure: only these rows (as the table names them), e.g. '--kv-cache-dir'")
     parser.add_argument("--kv-cache-memory", default=None, help="the servers' pool (default 1GiB; --pressure 128MiB)")
+    parser.add_argument("--llama-server", default=None, metavar="PATH",
+                        help="--pressure: llama-server rows too (a native build, as quantized_peers.py's docstring)")
     parser.add_argument("--stall", default=None, metavar="TREE[,TREE]",
                         help="the other streams' gap while a prefix is read from disk, per source tree (docstring)")
     parser.add_argument("--streams", type=int, default=4, help="--stall: streams decoding meanwhile")
