@@ -25,14 +25,17 @@ PREFILL_S_PER_TOKEN = 0.000005
 
 def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_request_delay_s: float = 0.0,
                buffered: bool = False, serial: bool = False, accept_overlong: bool = False,
-               compute_bound: bool = False, kv_pressure: bool = False, hang_over: int | None = None) -> FastAPI:
+               compute_bound: bool = False, kv_pressure: bool = False, hang_over: int | None = None,
+               kv_tier_churn: bool = False) -> FastAPI:
     """Each flag is one misbehaviour:
     - truncate_to: keeps only the last N tokens of a prompt, silently, and reports N;
     - accept_overlong: takes prompts over its advertised window and processes (reports) all of them;
     - compute_bound: streams share one processor (each token takes longer the more streams run),
       with vLLM-style /metrics showing an almost empty KV cache and no preemptions;
     - kv_pressure: /metrics show a full KV cache and preemptions growing with every request;
-    - hang_over: a prompt over N tokens is never answered (a stuck or very slow prefill)."""
+    - hang_over: a prompt over N tokens is never answered (a stuck or very slow prefill);
+    - kv_tier_churn: brisk-style /metrics of a KV disk tier that is full and holds almost none of the prompt
+      tokens asked of it (a budget smaller than what users come back to)."""
     app = FastAPI()
     started = time.monotonic()
     lock = asyncio.Lock()
@@ -60,6 +63,15 @@ def create_app(truncate_to: int | None = None, cold_start_s: float = 0.0, first_
             text = (f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {usage}\n"
                     f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
                     f"# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total {state['preemptions']}\n")
+            return Response(text, media_type="text/plain; version=0.0.4")
+
+    if kv_tier_churn:
+        @app.get("/metrics")
+        async def tier_metrics():
+            text = ("# TYPE brisk:kv_disk_budget_bytes gauge\nbrisk:kv_disk_budget_bytes 268435456\n"
+                    "# TYPE brisk:kv_disk_bytes gauge\nbrisk:kv_disk_bytes 268393216\n"
+                    "# TYPE brisk:kv_disk_hits counter\nbrisk:kv_disk_hits_total 64\n"
+                    "# TYPE brisk:kv_disk_misses counter\nbrisk:kv_disk_misses_total 41000\n")
             return Response(text, media_type="text/plain; version=0.0.4")
 
     async def generate(prompt_tokens: int, max_tokens: int):

@@ -72,8 +72,10 @@ HEALTHY = {"network": "ok", "cold_start": "ok", "kv_batching": "ok", "context": 
     ({"serial": True}, "kv_batching", "problem", "one at a time", "compute-bound"),
     ({"compute_bound": True}, "kv_batching", "warning", "compute-bound", "KV cache pressure"),
     ({"kv_pressure": True}, "kv_batching", "warning", "KV cache pressure", "compute-bound"),
+    ({"kv_tier_churn": True}, "cold_start", "warning", "the KV disk tier is full (256 of 256 MiB) and held 0%",
+     "503"),
 ], ids=["healthy", "truncates", "accepts-beyond-window", "cold-start", "buffering-proxy", "serial-queue",
-        "compute-bound", "kv-pressure"])
+        "compute-bound", "kv-pressure", "kv-tier-churn"])
 def test_each_pathology_and_only_it_is_flagged(tmp_path, flags, area, status, needle, not_needle):
     proc, url = start_fake(**flags)
     try:
@@ -91,6 +93,18 @@ def test_each_pathology_and_only_it_is_flagged(tmp_path, flags, area, status, ne
     assert statuses(report) == expected, {a: f["summary"] for a, f in report["findings"].items()}
     assert report["brisk_doctor_schema"] == 1 and report["overall"] == (status if area else "ok")
     assert report["duration_s"] <= 60
+
+
+def test_a_tier_is_called_churning_only_when_full_asked_enough_and_missing():
+    from brisk.doctor.checks import _tier_churn
+
+    tier = {"budget_bytes": 1000, "bytes": 950, "tokens_read": 100, "tokens_missed": 9900}
+    assert "KV disk tier is full" in _tier_churn("disk", tier) and "--kv-cache-disk-bytes" in _tier_churn("disk", tier)
+    assert "--kv-cache-host-bytes" in _tier_churn("host", tier)
+    assert _tier_churn("disk", {**tier, "bytes": 500}) is None  # room left: not an LRU loop
+    assert _tier_churn("disk", {**tier, "tokens_read": 1000}) is None  # 10% held: it helps
+    assert _tier_churn("disk", {**tier, "tokens_missed": 2000}) is None  # too few asked to judge
+    assert _tier_churn("disk", {**tier, "budget_bytes": 0}) is None and _tier_churn("disk", None) is None
 
 
 def test_a_probe_that_times_out_is_not_measured_never_ok(tmp_path):

@@ -144,6 +144,13 @@ def check_cold_start(p: Prober, o: Options) -> tuple[Finding, dict]:
     data["kv_host_tier"] = evidence["kv_host_tier"] = host
     if host and host["tokens_read"]:
         summary += f"; {host['tokens_read']:,} prompt tokens taken back from the KV host tier since start"
+    churning = [line for line in (_tier_churn("disk", tier), _tier_churn("host", host)) if line]
+    if churning:
+        summary += "; " + "; ".join(churning)
+        status = WARNING if status == OK else status
+        fixes.append("size the KV tiers against your traffic: `brisk kv-plan --trace LOG --disk-bytes SIZE "
+                     "--host-bytes SIZE` (LOG: brisk serve --request-log) says what each budget keeps; a tier that "
+                     "cannot hold the prefixes users come back to only costs copies and writes")
     if status != OK:
         fixes += ["keep a warm replica, and route traffic only after /ready (or a warm-up request) succeeds",
                   "cache converted/compiled artefacts between restarts (brisk: $BRISK_CACHE; vLLM: compile cache)",
@@ -180,6 +187,25 @@ def _kv_host_tier(metrics: dict[str, float]) -> dict[str, int] | None:
             "tokens_read": int(metrics.get("brisk:kv_host_hits_total", 0)),
             "tokens_missed": int(metrics.get("brisk:kv_host_misses_total", 0)),
             "blocks_stored": int(metrics.get("brisk:kv_host_blocks_stored_total", 0))}
+
+
+CHURN_MIN_TOKENS = 4096  # prompt tokens a tier must have been asked for before its hit rate is judged
+CHURN_HIT_RATE = 0.05
+
+
+def _tier_churn(name: str, tier: dict[str, int] | None) -> str | None:
+    """A line when a KV tier is full and answers (almost) none of what it is asked: the LRU loop of a budget
+    smaller than the prefixes users come back to, or traffic with little reuse. None otherwise."""
+    if not tier or not tier["budget_bytes"]:
+        return None
+    asked = tier["tokens_read"] + tier["tokens_missed"]
+    full = tier["bytes"] >= 0.9 * tier["budget_bytes"]
+    if asked < CHURN_MIN_TOKENS or not full or tier["tokens_read"] > CHURN_HIT_RATE * asked:
+        return None
+    flag = "--kv-cache-disk-bytes" if name == "disk" else "--kv-cache-host-bytes"
+    return (f"the KV {name} tier is full ({tier['bytes'] / 2**20:,.0f} of {tier['budget_bytes'] / 2**20:,.0f} MiB) "
+            f"and held {tier['tokens_read'] / asked:.0%} of the {asked:,} prompt tokens asked of it: its budget "
+            f"({flag}) is smaller than the prefixes users come back to, or the traffic reuses little")
 
 
 def _retry_delay(retry_after: str | None) -> float:
