@@ -103,10 +103,8 @@ class ReapingH11Protocol(H11Protocol):
         if self.conn.their_state is h11.IDLE:
             if self.conn.trailing_data[0]:  # part of a pipelined head came during the response
                 self._arm_header_timer()
-            else:
-                self._idle_since = self.loop.time()
-            # else idle: uvicorn's keep-alive timer closes it (a header timer here would race the
-            # clients' own pool expiry, as the keep-alive timer did at 5 s)
+            else:  # idle: uvicorn's keep-alive timer closes it (a header timer here would race the
+                self._idle_since = self.loop.time()  # clients' own pool expiry, as 5 s of keep-alive did)
         elif self.conn.their_state is h11.SEND_BODY:  # answered before its body ended: this connection is done
             self.loop.call_later(LINGER_S, self._close)
 

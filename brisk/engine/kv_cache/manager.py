@@ -33,8 +33,9 @@ class CacheableRequest(Protocol):
 class PrefixHit:
     blocks: list[KVBlock]
     num_tokens: int  # the pool's blocks and the tiers'
-    # blocks after `blocks` whose bytes come from a tier: the host tier's first, then the disk's
-    loaded: list[tuple[BlockHash, bytes]] = field(default_factory=list)
+    # blocks after `blocks` whose bytes come from a tier: the host tier's first (or, for a block this step
+    # evicted, its old pool block: a PendingSpill), then the disk's
+    loaded: list[tuple[BlockHash, bytes | PendingSpill]] = field(default_factory=list)
     num_host_blocks: int = 0  # of `loaded`, those from the host tier
     num_past_pool_blocks: int = 0  # full blocks past the pool's: what the tiers were asked for
 
