@@ -82,9 +82,11 @@ def _limit_arguments(limits) -> None:
                         help="seconds a request body has to arrive once its head has (default 30)")
     limits.add_argument("--timeout-keep-alive", type=argtypes.number(above=0), default=75.0,
                         help="seconds an idle keep-alive connection stays open (default 75: past the idle "
-                             "expiry of client pools, so a client never sends on a connection being closed)")
+                             "expiry of common client pools, httpx/openai 5 s and aiohttp 15 s, so they drop an "
+                             "idle connection before the server closes it)")
     limits.add_argument("--max-connections", type=argtypes.positive, default=1000,
-                        help="open connections at most; a new one past it gets 503 and is closed (default 1000)")
+                        help="open connections at most (default 1000); past it the oldest connection idle between "
+                             "requests is closed to make room, or, with none idle, the new one gets 503")
 
 
 def _log_arguments(logs) -> None:

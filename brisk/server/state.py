@@ -67,9 +67,9 @@ class ServerConfig:
     tokenizer_threads: int = 2  # requests tokenizing at once (off the event loop); the rest wait
     metrics_public: bool = False  # serve /metrics without the API key (for a scraper without one)
     body_timeout_s: float = 30.0  # a request body must arrive within this (slow clients hold a task each)
-    header_timeout_s: float = 15.0  # a request head must arrive within this of connecting (or of the last response)
+    header_timeout_s: float = 15.0  # a request head must arrive within this of connecting (or of its first byte)
     keep_alive_s: float = 75.0  # an idle keep-alive connection is closed after this (past clients' pool expiry)
-    max_connections: int = 1000  # open connections at most; past it a new one gets 503 and is closed
+    max_connections: int = 1000  # open connections at most; past it the oldest idle one is closed, or, none idle, 503
     log_requests: bool = False  # one access-log line per request (brisk serve: on unless --disable-log-requests)
     log_prompts: bool = False  # the prompt text in that line
     log_stats_interval_s: float | None = None  # the periodic engine line (brisk serve: every 10 s while busy)
