@@ -210,13 +210,13 @@ def pool_tokens(url: str) -> int:
     raise RuntimeError("no brisk:kv_num_blocks in /metrics")
 
 
-def start_llama_server(gguf: Path, args, ctx_tokens: int, cache_ram_mib: int) -> tuple[subprocess.Popen, str]:
+def start_llama_server(gguf: Path, args, ctx_tokens: int, extra: tuple[str, ...]) -> tuple[subprocess.Popen, str]:
     """llama-server on the same GGUF with one slot whose context is the tokens brisk's pool holds (its default
-    slots split the context: a chat of 1,900 tokens did not fit one), and `--cache-ram` MiB of host-memory prompt
-    cache (0: none). The replay sends one request at a time, so one slot serves it as brisk's pool does."""
+    slots split the context: a chat of 1,900 tokens did not fit one), and `extra` (`--cache-ram` MiB of host-memory
+    prompt cache, 0: none). The replay sends one request at a time, so one slot serves it as brisk's pool does."""
     port = free_port()
     cmd = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx_tokens),
-           "-np", "1", "--cache-ram", str(cache_ram_mib), "-t", "2"]
+           "-np", "1", "-t", "2", *extra]
     proc = subprocess.Popen(cmd, stdout=open(args.work / "kv_restart.log", "a"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_health(url, proc, "/health")
@@ -238,7 +238,8 @@ def bench_pressure(model: str, args) -> None:
     modes = {"pool only": (), "--kv-cache-host-bytes 2GiB": ("--kv-cache-host-bytes", "2GiB"), "--kv-cache-dir": (),
              "--kv-cache-dir --kv-cache-disk-bytes 256MiB": ("--kv-cache-disk-bytes", "256MiB")}
     if args.llama_server:
-        modes.update({"llama-server --cache-ram 0": (), "llama-server --cache-ram 2048": ()})
+        modes.update({"llama-server --cache-ram 0": ("--cache-ram", "0"),
+                      "llama-server --cache-ram 2048": ("--cache-ram", "2048")})
     ctx_tokens = 0
     for mode, extra in modes.items():
         if args.tiers and mode not in args.tiers and not mode.startswith("llama-server"):
@@ -256,7 +257,7 @@ def bench_pressure(model: str, args) -> None:
                     stop(proc)
                 gguf = Path(model) if model.endswith(".gguf") else demo_gguf()
                 print(f"(llama-server: -c {ctx_tokens}, brisk's pool in tokens, -np 1)", flush=True)
-                proc, url = start_llama_server(gguf, args, ctx_tokens, int(mode.rsplit(" ", 1)[1]))
+                proc, url = start_llama_server(gguf, args, ctx_tokens, extra)
             else:
                 proc, url = start(model, args, folder, extra=extra)
             watcher = threading.Thread(target=watch_folder, args=(folder, done, sizes), daemon=True)
@@ -396,7 +397,8 @@ def main() -> None:
     parser.add_argument("--pressure", action="store_true",
                         help="--bench-replay: no restart; a pool too small for the chats, per tier (docstring)")
     parser.add_argument("--tiers", nargs="*", default=None, metavar="MODE",
-                        help="--pressure: only these rows (as the table names them), e.g. '--kv-cache-dir'")
+                        help="--pressure: only these of brisk's rows (as the table names them), e.g. "
+                             "'--kv-cache-dir' (--llama-server's rows run whenever it is given)")
     parser.add_argument("--kv-cache-memory", default=None, help="the servers' pool (default 1GiB; --pressure 128MiB)")
     parser.add_argument("--llama-server", default=None, metavar="PATH",
                         help="--pressure: llama-server rows too (a native build, as quantized_peers.py's docstring)")

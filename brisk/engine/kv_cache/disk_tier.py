@@ -5,17 +5,17 @@ it (and the request's cache_salt), inside a folder named by a fingerprint of eve
 bytes valid: the model's files, the weights' format, the KV dtype, the block size, the model's config
 (RoPE, windows) and this layout's version. A block of another model, salt or dtype can never be found.
 
-Files are written whole to a temporary name and renamed into place (a reader never sees a partial
-block; several processes may share one folder, and two writers of one block write the same bytes),
-and carry a checksum: a truncated, corrupt or foreign file is a miss and is removed. The folder's
-size is held under `max_bytes` by removing the least recently used files (reads refresh a file's
-time) before a write that would pass it; with several writers, each measures the folder again every
-RESCAN_EVERY writes and when it closes, so the folder may pass its budget by what the writers wrote in
-between, and is back under it when they stop. A process killed mid-write leaves a temporary file, never a `.kvb`; the next tier on the folder
-removes the temporary files of writers that are gone. Writes go through a bounded queue to one background thread: a step never waits for the disk
-to write. Reads do not hold steps up either: a request whose prefix continues on disk is read ahead on a second
-thread (`read_ahead`, a few hundred KB per block instead of recomputing it) while the scheduler admits others, and
-is admitted with the blocks once they are in memory (`take_read`).
+Files are written whole to a temporary name and renamed into place (a reader never sees a partial block;
+several processes may share one folder, and two writers of one block write the same bytes), and carry a
+checksum: a truncated, corrupt or foreign file is a miss and is removed. The folder's size is held under
+`max_bytes` by removing the least recently used files (reads refresh a file's time) before a write that would
+pass it; with several writers, each measures the folder again every RESCAN_EVERY writes and when it closes, so
+the folder may pass its budget by what the writers wrote in between, and is back under it when they stop. A
+process killed mid-write leaves a temporary file, never a `.kvb`; the next tier on the folder removes the
+temporary files of writers that are gone. Writes go through a bounded queue to one background thread: a step
+never waits for the disk to write. Reads do not hold steps up either: a request whose prefix continues on disk
+is read ahead on a second thread (`read_ahead`, a few hundred KB per block instead of recomputing it) while
+the scheduler admits others, and is admitted with the blocks once they are in memory (`take_read`).
 
 Torch-free: the engine hands bytes in and takes bytes out.
 """
